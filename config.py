@@ -1,0 +1,203 @@
+"""The frozen configuration tree: Model / Cache / Parallel / Scheduler -> EngineConfig.
+
+Every class is a frozen, slotted dataclass validated once in ``__post_init__``; nothing writes
+to a config after construction. Facts discovered at run time (the number of KV blocks a worker
+can hold, EOS ids, the KV spec) travel in messages, never back into the config.
+
+Only the top-level objects (engine core, worker) receive the tree; low-level classes such as
+``BlockPool`` or ``BlockTable`` take plain values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ALLOCATION_POLICIES = ("paged", "reserve")
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(name, f"must be {allowed}, got {value}")
+
+
+def _check_optional_int(name: str, value: Any, lo: int) -> None:
+    if value is not None:
+        _check_int(name, value, lo)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(name, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which checkpoint to serve and how to load it."""
+
+    model: str = ""
+    """Hugging Face checkpoint directory (config.json + safetensors). Empty: the demo model."""
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    """``auto`` keeps the checkpoint dtype (bf16 becomes float32 on CPU)."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None takes the checkpoint's limit."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str):
+            raise ConfigError("model", f"must be a path string, got {self.model!r}")
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_optional_int("max_model_len", self.max_model_len, 1)
+        _check_int("seed", self.seed, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache: block geometry, capacity and prefix caching."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks: int | None = None
+    """Fix the number of KV blocks (overrides the byte budget); the null block is included."""
+    kv_cache_memory_bytes: int | None = None
+    """Byte budget for the KV pool per worker; None: measured free memory on GPU, 1 GiB on CPU."""
+    gpu_memory_utilization: float = 0.9
+    allocation_policy: str = "paged"
+    """``paged`` allocates on demand; ``reserve`` holds ceil(max_model_len / B) blocks at
+    admission (the contiguous pre-allocation baseline of the experiments)."""
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError("block_size", f"must be a power of two, got {self.block_size}")
+        _check_optional_int("num_gpu_blocks", self.num_gpu_blocks, 2)
+        _check_optional_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
+        _check_choice("allocation_policy", self.allocation_policy, ALLOCATION_POLICIES)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How one engine replica is split over ranks, and how replicas are placed."""
+
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    """Ranks of a TP group that would replicate KV heads instead shard tokens; divides tp."""
+    dcp_interleave: int = 1
+    """Tokens per rank in a row of the interleaved context-parallel layout (1 or block size)."""
+    data_parallel_size: int = 1
+    placement_strategy: str = "PACK"
+    ray_address: str | None = None
+    """None starts a local Ray instance; ``auto`` attaches to a running cluster."""
+
+    def __post_init__(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 512)
+        _check_int("decode_context_parallel_size", self.decode_context_parallel_size, 1, 512)
+        if self.tensor_parallel_size % self.decode_context_parallel_size:
+            raise ConfigError(
+                "decode_context_parallel_size",
+                f"must divide tensor_parallel_size={self.tensor_parallel_size}, "
+                f"got {self.decode_context_parallel_size}",
+            )
+        _check_int("dcp_interleave", self.dcp_interleave, 1)
+        _check_int("data_parallel_size", self.data_parallel_size, 1, 1024)
+        _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The token budget of one step and the batch limits."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The whole tree, passed down from the top-level objects."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.cache.block_size % self.parallel.dcp_interleave:
+            raise ConfigError(
+                "dcp_interleave",
+                f"must divide block_size={self.cache.block_size}, "
+                f"got {self.parallel.dcp_interleave}",
+            )
+        mml = self.model.max_model_len
+        if (
+            mml is not None
+            and not self.scheduler.enable_chunked_prefill
+            and self.scheduler.max_num_batched_tokens < mml
+        ):
+            raise ConfigError(
+                "max_num_batched_tokens",
+                f"must be >= max_model_len={mml} when chunked prefill is off",
+            )
+
+    def replace(self, **sections: Any) -> EngineConfig:
+        """A new tree with whole sections or section fields replaced: ``replace(cache={...})``."""
+        updates: dict[str, Any] = {}
+        for name, value in sections.items():
+            current = getattr(self, name)
+            updates[name] = (
+                dataclasses.replace(current, **value) if isinstance(value, dict) else value
+            )
+        return dataclasses.replace(self, **updates)
+
+
+def from_flat(**kwargs: Any) -> EngineConfig:
+    """Build the tree from the flat keyword arguments of ``LLM(...)`` and the CLI.
+
+    Unknown names raise ``ConfigError`` rather than being ignored.
+    """
+    owners = {
+        "model": ModelConfig,
+        "cache": CacheConfig,
+        "parallel": ParallelConfig,
+        "scheduler": SchedulerConfig,
+    }
+    sections: dict[str, dict[str, Any]] = {name: {} for name in owners}
+    for key, value in kwargs.items():
+        for section, cls in owners.items():
+            if key in cls.__dataclass_fields__:
+                sections[section][key] = value
+                break
+        else:
+            raise ConfigError(key, "unknown engine option")
+    return EngineConfig(
+        model=ModelConfig(**sections["model"]),
+        cache=CacheConfig(**sections["cache"]),
+        parallel=ParallelConfig(**sections["parallel"]),
+        scheduler=SchedulerConfig(**sections["scheduler"]),
+    )

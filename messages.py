@@ -1,0 +1,313 @@
+"""Every message that crosses a process boundary, and its msgpack codec.
+
+The codec is explicit: each message class has a small integer type tag, a message travels as a
+msgpack extension whose payload is the list of its fields in declaration order, and decoding
+rebuilds the dataclass by tag. No pickle: an unknown tag, a wrong field count or a frame that is
+not msgpack raises ``MessageDecodeError``.
+
+``SchedulerOutput`` carries deltas only (DESIGN.md §2): a request is sent in full once, in
+``new_reqs``; afterwards only its new block ids, newly appended token ids and computed-token
+count travel, in ``cached_reqs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+# --------------------------------------------------------------------------------------------
+# Sampling parameters and user-facing outputs
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request. Defaults follow vLLM / the OpenAI API.
+
+    ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k. ``seed`` makes the
+    request's samples reproducible whatever else shares its batch. ``logprobs`` asks for the
+    sampled token's log-probability plus that many top alternatives.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and frozen into tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> SamplingParamsError:
+            return SamplingParamsError(name, f"{rule}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or not 1 <= self.n <= 128:
+            raise bad("n", "must be an integer in [1, 128]")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}")
+        if not _is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "must be a number in [0, 100]")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be a number in [0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad("seed", "must be an integer in [0, 2**63)")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a boolean")
+        if not _is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", "must be a number in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be a number in [-2, 2]")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's ``n`` completions."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """``stop`` (EOS, stop token or stop string), ``length``, ``abort`` or ``error``."""
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a client receives for one request: the whole state so far, or a delta when streaming."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Controller <-> workers
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKVSpec:
+    """What one attention layer needs per token of KV, as a worker reports it."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """A worker's answer after loading its model: per-layer KV needs and its byte budget."""
+
+    layer_specs: list[LayerKVSpec]
+    available_kv_bytes: int
+    vocab_size: int
+    max_model_len: int
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """The controller's decision on the KV pool, sent to every worker once.
+
+    Block ids are drawn from one pool of ``num_blocks`` shared by all groups. Every group has the
+    same number of layers, so the worker allocates ``len(groups[0])`` tensors and layer
+    ``groups[g][j]`` uses tensor ``j`` (block ids never collide across groups).
+    """
+
+    num_blocks: int
+    block_size: int
+    groups: list[list[int]]
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request scheduled for the first time (or again after preemption), sent in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Non-empty only for a request resumed after preemption: its tokens are recomputed."""
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]
+    """Block ids per KV group."""
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Running requests, column-wise to keep a 256-request decode step small on the wire."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """Tokens appended since the request was last scheduled (the last sampled one, usually)."""
+    new_block_ids: list[list[list[int]] | None] = field(default_factory=list)
+    """Per request, per group, the block ids appended since last step; None when none were."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's decision, broadcast to every rank."""
+
+    step_id: int
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = field(default_factory=list)
+    """Requests to drop from the workers' batches: finished, aborted or preempted."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """Copy-on-write ``(src, dst)`` block copies to run before the forward pass."""
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens of the requests whose scheduled tokens reached their end this step."""
+
+    step_id: int
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[list[int], list[float]] | None] | None = None
+    """Per request: token ids ``[sampled, top_1, ..., top_N]`` and their log-probabilities."""
+
+
+# --------------------------------------------------------------------------------------------
+# The codec
+
+
+class MessageDecodeError(ValueError):
+    """A frame that is not a well-formed message of a known type."""
+
+
+# Tags are part of the wire format: append new classes, never renumber.
+_TAGGED: tuple[type, ...] = (
+    SamplingParams,
+    CompletionOutput,
+    RequestOutput,
+    LayerKVSpec,
+    WorkerReport,
+    KVCacheLayout,
+    NewRequestData,
+    CachedRequestData,
+    SchedulerOutput,
+    ModelRunnerOutput,
+)
+_TAG_OF: dict[type, int] = {cls: i + 1 for i, cls in enumerate(_TAGGED)}
+_CLS_OF: dict[int, type] = {i: cls for cls, i in _TAG_OF.items()}
+_FIELDS: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TAGGED
+}
+
+
+def register_message(cls: type, tag: int) -> None:
+    """Add a message class owned by another module (tags >= 64 are reserved for those)."""
+    if tag < 64 or tag > 127 or tag in _CLS_OF:
+        raise ValueError(f"tag {tag} is taken or outside [64, 127]")
+    _TAG_OF[cls] = tag
+    _CLS_OF[tag] = cls
+    _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _default(obj: Any) -> Any:
+    tag = _TAG_OF.get(type(obj))
+    if tag is None:
+        raise TypeError(f"cannot encode {type(obj).__name__}: not a registered message")
+    values = [getattr(obj, name) for name in _FIELDS[type(obj)]]
+    return msgpack.ExtType(tag, msgpack.packb(values, default=_default, use_bin_type=True))
+
+
+def _ext_hook(tag: int, payload: bytes) -> Any:
+    cls = _CLS_OF.get(tag)
+    if cls is None:
+        raise MessageDecodeError(f"unknown message type tag {tag}")
+    values = msgpack.unpackb(payload, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    names = _FIELDS[cls]
+    if not isinstance(values, list) or len(values) != len(names):
+        raise MessageDecodeError(f"malformed {cls.__name__}: expected {len(names)} fields")
+    try:
+        return cls(**dict(zip(names, values, strict=True)))
+    except (TypeError, ValueError) as exc:
+        raise MessageDecodeError(f"malformed {cls.__name__}: {exc}") from exc
+
+
+def encode(obj: Any) -> bytes:
+    """Encode a message (or plain msgpack data containing messages) to bytes."""
+    return msgpack.packb(obj, default=_default, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """Decode bytes made by ``encode``; raises ``MessageDecodeError`` on anything else."""
+    try:
+        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    except MessageDecodeError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise MessageDecodeError(f"not a valid message frame: {exc}") from exc

@@ -1,0 +1,8 @@
+"""Shared test fixtures. Lives in tests/, never at the repository root (the root is the package)."""
+
+from __future__ import annotations
+
+import os
+
+# Triton kernels run on CPU through the interpreter; set before triton is imported anywhere.
+os.environ.setdefault("TRITON_INTERPRET", "1")
