@@ -1,0 +1,48 @@
+"""Small value types returned to the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.kv.block import KVBlock
+
+__all__ = ["KVCacheBlocks", "PrefixCacheStats"]
+
+
+class KVCacheBlocks:
+    """Blocks per KV group, ``blocks[group][i]``. Read-only for callers: the scheduler only
+    reads ids (:meth:`get_block_ids`) and passes prefix hits back into ``allocate_slots``."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[list[KVBlock], ...]) -> None:
+        self.blocks = blocks
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks, strict=True)))
+
+    def num_blocks(self) -> int:
+        """Blocks in the first group (all groups have equally long lists)."""
+        return len(self.blocks[0]) if self.blocks else 0
+
+    def __bool__(self) -> bool:
+        return any(self.blocks)
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.get_block_ids()})"
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache counters in tokens since construction or the last reset."""
+
+    requests: int = 0
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0

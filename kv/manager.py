@@ -1,0 +1,382 @@
+"""The scheduler-facing KV cache manager.
+
+Call order the scheduler follows (one request, one step):
+
+* admission: ``check_admissible(total_tokens)`` once, then ``get_computed_blocks(req)`` for the
+  prefix hit, then ``allocate_slots(req, n, hit_tokens, hit_blocks)``;
+* each later step: ``allocate_slots(req, n)``; ``None`` means "does not fit, nothing changed":
+  preempt someone (``free``) and retry, or stop admitting;
+* after each step: ship ``take_pending_copies()`` / ``take_block_replacements()`` to workers;
+* finish or preemption: ``free(req)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from pagedserve.kv.allocation import allocate_general
+from pagedserve.kv.base import KVRequest
+from pagedserve.kv.block_pool import BlockPool
+from pagedserve.kv.coordinator import find_common_hit
+from pagedserve.kv.errors import (
+    DoubleFreeError,
+    InvalidArgumentError,
+    RequestTooLargeError,
+    UnknownRequestError,
+)
+from pagedserve.kv.introspection import block_fill_snapshot, check_manager_integrity
+from pagedserve.kv.kv_blocks import KVCacheBlocks, PrefixCacheStats
+from pagedserve.kv.single_type import FullAttentionManager, SingleTypeManager, make_manager
+from pagedserve.kv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
+__all__ = ["AllocationPolicy", "KVCacheManager"]
+
+AllocationPolicy = Literal["paged", "reserve"]
+
+# Ids of recently freed requests, so a second free is reported as a double free rather than an
+# unknown id. Bounded: a long-running server must not grow this forever.
+_FREED_MEMORY = 4096
+
+
+class KVCacheManager:
+    """Allocates KV blocks for requests across one or more KV groups sharing one pool.
+
+    Args:
+        group_specs: one spec per KV group (group id = position). None: one full-attention group.
+        num_blocks: physical blocks in the pool, the null block (id 0) included.
+        block_size: tokens per physical block.
+        max_model_len: longest request (prompt + output) in tokens.
+        enable_caching: automatic prefix caching on/off.
+        policy: ``"paged"`` allocates blocks on demand; ``"reserve"`` holds
+            ``ceil(max_model_len / B)`` blocks per group from admission: the contiguous
+            pre-allocation baseline that the memory experiments compare against.
+        virtual_block_factor: decode-context-parallel size. Each rank stores ``block_size``
+            tokens of a block whose tokens are interleaved over the ranks, so the manager sees
+            blocks of ``block_size * virtual_block_factor`` tokens (``self.block_size``). Block
+            ids are the same on every rank. Only a multiplier here; the workers do the rest.
+    """
+
+    def __init__(
+        self,
+        group_specs: Sequence[KVCacheSpec] | None,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        policy: AllocationPolicy = "paged",
+        virtual_block_factor: int = 1,
+    ) -> None:
+        if block_size <= 0 or max_model_len <= 0 or virtual_block_factor <= 0:
+            raise InvalidArgumentError("block_size, max_model_len, virtual_block_factor must be >0")
+        if policy not in ("paged", "reserve"):
+            raise InvalidArgumentError(f"unknown allocation policy {policy!r}")
+        if group_specs is None:
+            group_specs = [FullAttentionSpec(block_size, 1, 1, 1)]
+        if not group_specs:
+            raise InvalidArgumentError("at least one KV group is required")
+        for spec in group_specs:
+            if spec.block_size != block_size:
+                raise InvalidArgumentError(
+                    f"spec block_size {spec.block_size} != manager block_size {block_size}"
+                )
+            if isinstance(spec, SlidingWindowSpec) and virtual_block_factor != 1:
+                raise InvalidArgumentError("sliding-window groups do not support DCP")
+        self.block_size = block_size * virtual_block_factor
+        self.physical_block_size = block_size
+        self.virtual_block_factor = virtual_block_factor
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.policy: AllocationPolicy = policy
+        self.group_specs = tuple(group_specs)
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.managers: list[SingleTypeManager] = [
+            make_manager(spec, self.block_size, gid, self.pool)
+            for gid, spec in enumerate(self.group_specs)
+        ]
+        # Groups with equal specs are looked up together (a hit must exist in all of them);
+        # full attention first, since its hit is downward closed and needs one lookup only.
+        kinds: dict[KVCacheSpec, list[int]] = {}
+        for gid, spec in enumerate(self.group_specs):
+            kinds.setdefault(spec, []).append(gid)
+        self._kinds = sorted(kinds.items(), key=lambda kv: not isinstance(kv[0], FullAttentionSpec))
+        self._single_full = len(self.managers) == 1 and isinstance(
+            self.managers[0], FullAttentionManager
+        )
+        self._fast_path = self._single_full and policy == "paged"
+        self._group0_blocks = self.managers[0].req_to_blocks
+        self._group0_cached = self.managers[0].num_cached_blocks
+        self._reserve_blocks = -(-max_model_len // self.block_size)
+        self.prefix_cache_stats = PrefixCacheStats()
+        # Tokens each request will have written once the current step runs (for fill snapshots).
+        self._num_filled: dict[str, int] = {}
+        self._freed_ids: dict[str, None] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self._replacements: list[tuple[str, int, int, int]] = []
+        self._empty = KVCacheBlocks(tuple([] for _ in self.managers))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use (null block excluded; free cached blocks are free)."""
+        return self.pool.usage
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.managers[0].req_to_blocks
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group (0 marks a released sliding-window position)."""
+        if request_id not in self.managers[0].req_to_blocks:
+            raise UnknownRequestError(request_id)
+        return tuple([b.block_id for b in m.req_to_blocks[request_id]] for m in self.managers)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if request_id not in self.managers[0].req_to_blocks:
+            raise UnknownRequestError(request_id)
+        return KVCacheBlocks(tuple(list(m.req_to_blocks[request_id]) for m in self.managers))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies ``(src_block_id, dst_block_id)`` since the last call.
+
+        Workers copy block src to dst in every layer's KV tensor before this step's forward
+        pass (another sharer may write into src in the same step).
+        """
+        out, self._pending_copies = self._pending_copies, []
+        return out
+
+    def take_block_replacements(self) -> list[tuple[str, int, int, int]]:
+        """Copy-on-write table edits ``(request_id, group_id, block_index, new_block_id)``.
+
+        The one exception to append-only block tables: the writer of a shared block gets a
+        private copy at the same index. Taken together with :meth:`take_pending_copies`.
+        """
+        out, self._replacements = self._replacements, []
+        return out
+
+    def check_admissible(self, num_tokens_total: int) -> None:
+        """Raise RequestTooLargeError if a request of this many tokens (prompt + max output) can
+        never fit, even alone in an empty cache; the scheduler calls this at admission instead
+        of letting the request wait forever."""
+        if num_tokens_total < 0:
+            raise InvalidArgumentError(f"negative token count {num_tokens_total}")
+        if num_tokens_total > self.max_model_len:
+            raise RequestTooLargeError(
+                f"{num_tokens_total} tokens exceed max_model_len={self.max_model_len}"
+            )
+        need = self.blocks_needed(num_tokens_total)
+        if need > self.pool.num_usable_blocks:
+            raise RequestTooLargeError(
+                f"{num_tokens_total} tokens need {need} blocks, the cache holds "
+                f"{self.pool.num_usable_blocks}"
+            )
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Peak blocks (all groups) one request of ``num_tokens`` tokens holds."""
+        bs = self.block_size
+        if self.policy == "reserve":
+            return self._reserve_blocks * len(self.managers)
+        total = 0
+        for spec in self.group_specs:
+            full = -(-num_tokens // bs)
+            if isinstance(spec, SlidingWindowSpec):
+                full = min(full, -(-(spec.sliding_window - 1) // bs) + 1)
+            total += full
+        return total
+
+    # ------------------------------------------------------------ prefix hits
+    def get_computed_blocks(self, request: KVRequest) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of a new request: (blocks per group, hit tokens).
+
+        The hit is block aligned and at most ``num_tokens - 1`` (one token must be computed to
+        produce logits). With several group kinds it is the longest length every kind accepts
+        (see :func:`pagedserve.kv.coordinator.find_common_hit`). Nothing is referenced here;
+        ``allocate_slots`` takes the references, so call it right after, before any other
+        allocation can evict the hit blocks.
+        """
+        if not self.enable_caching:
+            return self._empty, 0
+        num_tokens = request.num_tokens
+        hashes = request.block_hashes
+        max_blocks = min(len(hashes), (num_tokens - 1) // self.block_size) if num_tokens else 0
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += num_tokens
+        if max_blocks <= 0:
+            return self._empty, 0
+        if self._single_full:
+            blocks = self.managers[0].find_longest_cache_hit(hashes, max_blocks, (0,))[0]
+            per_group, hit = [blocks], len(blocks)
+        else:
+            per_group, hit = find_common_hit(self.managers, self._kinds, hashes, max_blocks)
+        stats.hits += hit * self.block_size
+        return KVCacheBlocks(tuple(per_group)), hit * self.block_size
+
+    # -------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens (plus lookahead draft slots).
+
+        ``num_new_computed_tokens``/``new_computed_blocks`` are the prefix hit of a new request
+        from :meth:`get_computed_blocks`. Returns the newly allocated blocks per group, or
+        ``None`` with **no state changed** if they do not fit. Touching a free cached hit block
+        takes it out of the free queue, so it counts against the free blocks like a new one.
+        Full blocks among the first ``min(computed + new, num_tokens)`` tokens are registered
+        in the prefix cache (draft/lookahead slots never are). A write into a block shared by
+        :meth:`fork` first gives the writer a private copy (see :meth:`take_pending_copies`).
+        Lookahead slots are capped at ``max_model_len``.
+
+        Raises:
+            InvalidArgumentError: ``num_new_tokens <= 0``, a negative count, tokens beyond
+                ``max_model_len``, or hit blocks that are stale, mismatched or given for a
+                request that already holds blocks. Raised before any change.
+        """
+        if (
+            self._fast_path
+            and new_computed_blocks is None
+            and num_new_computed_tokens == 0
+            and num_new_tokens > 0
+            and num_lookahead_tokens >= 0
+        ):
+            # Hot path (every running request, every step), inlined because it runs ~256 times
+            # per step: one full-attention group, paged policy, a request already holding
+            # blocks. Anything unusual (new request, copy-on-write, too long) falls through.
+            rid = request.request_id
+            blocks = self._group0_blocks.get(rid)
+            if blocks is not None:
+                bs = self.block_size
+                computed = request.num_computed_tokens
+                end = computed + num_new_tokens
+                n_have = len(blocks)
+                # Written blocks are [computed // bs, ceil(end / bs)), usually just one; a
+                # shared (forked) one needs copy-on-write, which the general path does.
+                i = computed // bs
+                stop = -(-end // bs)
+                if stop > n_have:
+                    stop = n_have
+                while i < stop and blocks[i].ref_cnt == 1:
+                    i += 1
+                max_len = self.max_model_len
+                if i >= stop and end <= max_len:
+                    need_slot = end + num_lookahead_tokens
+                    if need_slot > max_len:
+                        need_slot = max_len
+                    n_new = -(-need_slot // bs) - n_have
+                    result = self._empty
+                    if n_new > 0:
+                        pool = self.pool
+                        if n_new > pool.free_block_queue.num_free_blocks:
+                            return None
+                        new = pool.get_new_blocks(n_new)
+                        blocks.extend(new)
+                        result = KVCacheBlocks((new,))
+                    if self.enable_caching:
+                        # Register blocks that became full; compared with `end` first so the
+                        # common "no block completed" case costs one dict lookup.
+                        num_cached = self._group0_cached[rid]
+                        if end // bs > num_cached:
+                            num_tokens = request.num_tokens
+                            num_full = (end if end < num_tokens else num_tokens) // bs
+                            if num_full > num_cached:
+                                self.managers[0].cache_blocks(
+                                    rid, request.block_hashes, num_full * bs
+                                )
+                    self._num_filled[rid] = end
+                    return result
+        if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+            raise InvalidArgumentError(
+                f"need num_new_tokens > 0 and non-negative counts, got {num_new_tokens}, "
+                f"{num_new_computed_tokens}, {num_lookahead_tokens}"
+            )
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        end = computed + num_new_tokens
+        if end > self.max_model_len:
+            raise InvalidArgumentError(f"{end} tokens exceed max_model_len={self.max_model_len}")
+        return allocate_general(
+            self,
+            request,
+            computed,
+            end,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+        )
+
+    # ------------------------------------------------------------ release etc.
+    def free(self, request: KVRequest | str) -> None:
+        """Release every block of the request, tail-first (longest prefix evicted first).
+
+        Used on finish, abort and preemption. Raises DoubleFreeError for a request freed
+        moments ago, UnknownRequestError for an id that holds no blocks.
+        """
+        rid = request if isinstance(request, str) else request.request_id
+        if rid not in self.managers[0].req_to_blocks:
+            if rid in self._freed_ids:
+                raise DoubleFreeError(f"request {rid!r} was already freed")
+            raise UnknownRequestError(rid)
+        for m in self.managers:
+            m.free(rid)
+        self._num_filled.pop(rid, None)
+        self._freed_ids[rid] = None
+        if len(self._freed_ids) > _FREED_MEMORY:
+            del self._freed_ids[next(iter(self._freed_ids))]
+
+    def fork(self, parent: KVRequest | str, child: KVRequest | str) -> None:
+        """Let ``child`` share every block of ``parent`` (parallel sampling / beam search).
+
+        Ref counts go up; nothing is copied now. The first write into a block that is still
+        shared (normally the partial last block) copies it for the writer (copy-on-write).
+        The caller gives the child the same token ids and block hashes as the parent.
+        """
+        pid = parent if isinstance(parent, str) else parent.request_id
+        cid = child if isinstance(child, str) else child.request_id
+        if pid not in self.managers[0].req_to_blocks:
+            raise UnknownRequestError(pid)
+        if cid in self.managers[0].req_to_blocks:
+            raise InvalidArgumentError(f"fork target {cid!r} already holds blocks")
+        for m in self.managers:
+            blocks = list(m.req_to_blocks[pid])
+            for b in blocks:
+                if not b.is_null:
+                    b.ref_cnt += 1
+            m.req_to_blocks[cid] = blocks
+            m.num_cached_blocks[cid] = m.num_cached_blocks[pid]
+        self._num_filled[cid] = self._num_filled[pid]
+        self._freed_ids.pop(cid, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash (e.g. after a weight update). Returns False and changes
+        nothing while any request holds blocks: free or preempt them first."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_stats = PrefixCacheStats()
+        return True
+
+    # -------------------------------------------------------------- inspection
+    def block_fill_snapshot(self) -> np.ndarray:
+        """Tokens each block holds for running requests (int32, length num_blocks).
+
+        A block shared by several requests counts once. Free (even cached) blocks and the null
+        block read 0. O(blocks held) with one numpy scatter: cheap enough for every step.
+        """
+        return block_fill_snapshot(self)
+
+    def check_integrity(self) -> None:
+        """Verify pool invariants plus: every block's ref count equals the number of request
+        lists that hold it, and per-request bookkeeping is consistent."""
+        check_manager_integrity(self)
