@@ -226,9 +226,6 @@ class SchedulerOutput:
     """Requests to drop from the workers' batches: finished, aborted or preempted."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """Copy-on-write ``(src, dst)`` block copies to run before the forward pass."""
-    block_replacements: list[tuple[str, int, int, int]] = field(default_factory=list)
-    """Copy-on-write table edits ``(req_id, group, index, new_block_id)``: the writer's entry
-    at ``index`` now names its private copy. Applied before ``new_block_ids`` are appended."""
 
 
 @dataclass(slots=True)

@@ -1,0 +1,207 @@
+"""The controller's view of one sequence: its tokens, progress, block hashes and stop state.
+
+A user request with ``n == 1`` is one ``Request``. With ``n > 1`` the engine first runs a *fork
+parent* over the prompt minus its last token, then forks it into ``n`` child requests that share
+its KV blocks (see ``scheduler.py``); each child is an ordinary ``Request`` from then on.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Collection, Sequence
+
+from pagedserve.controller.tokenizer import IncrementalDetokenizer
+from pagedserve.kv.hashing import BlockHasher
+from pagedserve.messages import SamplingParams
+
+__all__ = ["Request", "RequestStatus"]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything above FINISHED_STOPPED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence, satisfying kv's request protocol (``request_id``, ``all_token_ids``,
+    ``num_tokens``, ``num_computed_tokens``, ``block_hashes``, ``cache_salt``).
+
+    ``block_hashes`` grows through kv's ``BlockHasher`` whenever tokens are appended, so every
+    full block (generated tokens included) is hashed exactly once.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        hasher: BlockHasher | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
+        group_id: str | None = None,
+        index: int = 0,
+        children: Sequence[Request] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        """Prefix-cache hit at first admission; -1 until then."""
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.detokenizer = detokenizer
+        self.group_id = request_id if group_id is None else group_id
+        """The user-facing request id this sequence belongs to."""
+        self.index = index
+        """Completion index within the user request (0 for n == 1)."""
+        self.children: list[Request] = list(children)
+        """Non-empty for a fork parent: the sequences it forks into once the prompt minus its
+        last token is computed. The parent itself never samples."""
+        self.logprobs: list[dict[int, float]] | None = (
+            [] if sampling_params.logprobs is not None else None
+        )
+        self.cumulative_logprob: float | None = 0.0 if self.logprobs is not None else None
+        self.num_sent_tokens = 0
+        """How many of ``all_token_ids`` the workers hold; 0 while they do not know the request
+        (never scheduled, or dropped on preemption)."""
+        self.block_hashes: list[bytes] = []
+        self._hasher = hasher
+        self._update_block_hashes()
+
+    # --------------------------------------------------------------- sizes
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def compute_limit(self) -> int:
+        """The token count the scheduler catches ``num_computed_tokens`` up to."""
+        return self.num_tokens - 1 if self.children else self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.output_text if self.detokenizer is not None else ""
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+    # ------------------------------------------------------------ mutation
+    def _update_block_hashes(self) -> None:
+        if self._hasher is not None:
+            self._hasher.extend(self.block_hashes, self.all_token_ids, self.cache_salt)
+
+    def append_output_token_id(
+        self, token_id: int, eos_token_ids: Collection[int], max_model_len: int
+    ) -> None:
+        """Append one sampled token, detokenize it and apply the stop conditions."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+        params = self.sampling_params
+        # min_tokens counts tokens *before* a stop, so a stop may be token min_tokens + 1.
+        may_stop = self.num_output_tokens > params.min_tokens
+        stopped_on_token = False
+        if may_stop and not params.ignore_eos and token_id in eos_token_ids:
+            stopped_on_token = True
+            self.stop_reason = None
+        elif may_stop and token_id in params.stop_token_ids:
+            stopped_on_token = True
+            self.stop_reason = token_id
+        detok = self.detokenizer
+        if stopped_on_token:
+            # The stop token itself never reaches the detokenizer, so its text is left out;
+            # finish() still flushes bytes held back before it.
+            self.finish(RequestStatus.FINISHED_STOPPED)
+            return
+        if detok is not None:
+            old_len = len(detok.output_text)
+            delta = detok.step([token_id])
+            if delta and params.stop and may_stop and self._check_stop_strings(old_len):
+                return
+        if (
+            params.max_tokens is not None and self.num_output_tokens >= params.max_tokens
+        ) or self.num_tokens >= max_model_len:
+            self.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def record_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """Keep the worker's ``[sampled, top_1, ...]`` log-probabilities, if they were asked for."""
+        if self.logprobs is None or not token_ids:
+            return
+        self.logprobs.append(dict(zip(token_ids, logprobs, strict=True)))
+        assert self.cumulative_logprob is not None
+        self.cumulative_logprob += logprobs[0]
+
+    def _check_stop_strings(self, old_len: int) -> bool:
+        """Truncate at the first stop string that ends in the new text; True if one did."""
+        detok = self.detokenizer
+        assert detok is not None
+        text = detok.output_text
+        longest = max(len(s) for s in self.sampling_params.stop)
+        # A match must end inside the new delta, so it starts at most len(stop)-1 chars earlier.
+        search_from = max(0, old_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in self.sampling_params.stop:
+            i = text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        detok.output_text = text[: best[0]]
+        self.stop_reason = best[1]
+        self.status = RequestStatus.FINISHED_STOPPED
+        return True
+
+    def finish(self, status: RequestStatus) -> None:
+        """Mark finished; release any text held back for an incomplete character."""
+        assert status.finished
+        if self.detokenizer is not None and status != RequestStatus.FINISHED_ABORTED:
+            self.detokenizer.flush()
+        self.status = status

@@ -1,0 +1,341 @@
+"""The scheduler: one token budget, running requests first, then waiting ones.
+
+There are no prefill or decode phases. Every request catches ``num_computed_tokens`` up to its
+``compute_limit`` (normally ``num_tokens``); a long prompt simply takes several steps (chunked
+prefill) and a generating request needs one token per step. When the KV cache is full the
+newest running request is preempted by recompute and nothing new is admitted that step.
+
+Parallel sampling (``n > 1``) forks: a *fork parent* computes the prompt minus its last token,
+then ``n`` children share all its blocks (kv's copy-on-write ``fork``). Each child computes the
+last prompt token itself, so the first write into the shared partial block copies it, and then
+samples on its own. A child is new to the workers in that step, so the copy-on-write replacement
+reaches them inside the child's full ``NewRequestData`` block list. (Should a request the workers
+already hold ever get a block replaced, it is dropped and re-sent in full in the same step.)
+Under the ``reserve`` policy the parent is skipped and the children run as independent requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+from pagedserve.controller.request import Request, RequestStatus
+from pagedserve.kv import KVCacheBlocks, KVCacheManager
+from pagedserve.messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+__all__ = ["Scheduler", "SchedulerStats", "StepHook"]
+
+StepHook = Callable[["Scheduler", SchedulerOutput], None]
+"""Called after every ``schedule()``, when the step's blocks are allocated but not yet freed
+(the moment to take ``kv.block_fill_snapshot()``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; decides each step's batch.
+
+    Mutation: only the scheduler changes a ``Request``'s status and ``num_computed_tokens`` and
+    only it calls the KV manager's mutating methods.
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: Collection[int] = (),
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        """Every live request, unforked children included."""
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.step_hooks: list[StepHook] = []
+        self.num_preemptions = 0
+        self._step_id = 0
+        # Requests the workers hold and must drop at the next step (finished, aborted, forked
+        # parents, preempted).
+        self._finished_ids: list[str] = []
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (and register its unforked children, if any)."""
+        for r in (request, *request.children):
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already live")
+        for r in (request, *request.children):
+            self.requests[r.request_id] = r
+        if request.children and (request.compute_limit == 0 or self.kv.policy == "reserve"):
+            # A one-token prompt leaves the parent nothing to compute; under the ``reserve``
+            # baseline every sequence holds its own max_model_len worth of blocks anyway, so
+            # forking would only share empty reservations. Start the children directly.
+            self._dissolve_parent(request, at_front=False)
+        else:
+            self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish (usually abort) requests wherever they are; frees their blocks. Unknown or
+        already finished ids are ignored. A fork parent takes its unforked children along."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            for r in (req, *req.children):
+                if self.requests.pop(r.request_id, None) is not None:
+                    self._drop(r)
+                    r.finish(status)
+
+    def _drop(self, req: Request) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.kv.has_request(req.request_id):
+            self.kv.free(req)
+        if req.num_sent_tokens:
+            self._finished_ids.append(req.request_id)
+            req.num_sent_tokens = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        pc = self.kv.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self._step_id,
+        )
+
+    # ----------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, KVCacheBlocks] = {}
+        scheduled: list[Request] = []
+        preempted = False
+
+        # 1. Running requests, in admission order. A victim is always popped from the end, so
+        # it is never one that was already scheduled this step.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.compute_limit - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            blocks = self.kv.allocate_slots(req, n)
+            while blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                blocks = self.kv.allocate_slots(req, n)
+            if blocks is None:
+                break
+            scheduled.append(req)
+            num_scheduled[req.request_id] = n
+            new_blocks[req.request_id] = blocks
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt: admitting now would only
+        # preempt again next step.
+        if not preempted:
+            self._admit_waiting(budget, scheduled, num_scheduled)
+
+        output = self._build_output(scheduled, num_scheduled, new_blocks)
+        for req in scheduled:
+            req.num_computed_tokens += num_scheduled[req.request_id]
+        self._step_id += 1
+        for hook in self.step_hooks:
+            hook(self, output)
+        return output
+
+    def _admit_waiting(
+        self, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]
+    ) -> None:
+        # A fork parent takes the seats of all its children: they replace it in the batch.
+        seats = sum(max(1, len(r.children)) for r in self.running)
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            need_seats = max(1, len(req.children))
+            if seats + need_seats > self.max_num_seqs:
+                break
+            hit_blocks, hit = self.kv.get_computed_blocks(req)
+            if req.children and hit >= req.compute_limit:
+                # The cache already holds the parent's whole share: the children hit it alone.
+                self.waiting.popleft()
+                self._dissolve_parent(req, at_front=True)
+                continue
+            n = req.compute_limit - hit
+            if not self.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            blocks = self.kv.allocate_slots(req, n, hit, hit_blocks if hit else None)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit
+            scheduled.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            seats += need_seats
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: free everything, start over from the waiting head."""
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        if req.num_sent_tokens:
+            self._finished_ids.append(req.request_id)
+            req.num_sent_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _dissolve_parent(self, parent: Request, *, at_front: bool) -> None:
+        """Replace an unadmitted fork parent by its children in the waiting queue."""
+        self.requests.pop(parent.request_id, None)
+        parent.status = RequestStatus.FINISHED_STOPPED
+        if at_front:
+            self.waiting.extendleft(reversed(parent.children))
+        else:
+            self.waiting.extend(parent.children)
+        parent.children = []
+
+    def _build_output(
+        self,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        new_blocks: dict[str, KVCacheBlocks],
+    ) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._step_id)
+        out.block_copies = self.kv.take_pending_copies()
+        replaced = {rid for rid, *_ in self.kv.take_block_replacements()}
+        resent: list[str] = []
+        cached: CachedRequestData = out.cached_reqs
+        for req in scheduled:
+            rid = req.request_id
+            if req.num_sent_tokens and rid in replaced:
+                # Worker block tables are append-only. A copy-on-write replacement in a request
+                # the workers already hold (not expected with fork-after-prefill, but possible
+                # in principle) is sent as drop + full re-add; workers drop before they add.
+                resent.append(rid)
+                req.num_sent_tokens = 0
+            if req.num_sent_tokens == 0:
+                out.new_reqs.append(
+                    NewRequestData(
+                        req_id=rid,
+                        prompt_token_ids=list(req.prompt_token_ids),
+                        output_token_ids=list(req.output_token_ids),
+                        sampling_params=req.sampling_params,
+                        block_ids=[list(ids) for ids in self.kv.get_block_ids(rid)],
+                        num_computed_tokens=req.num_computed_tokens,
+                    )
+                )
+            else:
+                blocks = new_blocks.get(rid)
+                cached.req_ids.append(rid)
+                cached.new_token_ids.append(req.all_token_ids[req.num_sent_tokens :])
+                cached.new_block_ids.append(
+                    [list(ids) for ids in blocks.get_block_ids()] if blocks else None
+                )
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+            req.num_sent_tokens = req.num_tokens
+        out.num_scheduled_tokens = num_scheduled
+        out.total_num_scheduled_tokens = sum(num_scheduled.values())
+        if out.total_num_scheduled_tokens:
+            # An empty step is not sent to the workers, so the drop list waits for a real one.
+            # The workers apply drops before additions: an aborted id may be re-added at once.
+            out.finished_req_ids, self._finished_ids = self._finished_ids + resent, []
+        return out
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Append sampled tokens, apply stop conditions, free finished requests and fork
+        parents that are ready. Returns the requests that got a token or finished."""
+        progressed: list[Request] = []
+        logprobs = runner_output.logprobs
+        for j, (rid, token) in enumerate(
+            zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
+        ):
+            req = self.requests.get(rid)
+            # Aborted while the step ran, or a sample for a request that did not reach its end
+            # (a fork parent never should): ignore rather than corrupt its tokens.
+            if req is None or req.status != RequestStatus.RUNNING or req.children:
+                continue
+            if req.num_computed_tokens != req.num_tokens:
+                continue
+            req.append_output_token_id(token, self.eos_token_ids, self.max_model_len)
+            if logprobs is not None and logprobs[j] is not None:
+                req.record_logprobs(*logprobs[j])
+            progressed.append(req)
+            if req.is_finished:
+                self.requests.pop(rid, None)
+                self.running.remove(req)
+                self.kv.free(req)
+                self._finished_ids.append(rid)
+                req.num_sent_tokens = 0
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if (
+                req is not None
+                and req.children
+                and req.status == RequestStatus.RUNNING
+                and req.num_computed_tokens >= req.compute_limit
+            ):
+                self._fork(req)
+        return progressed
+
+    def _fork(self, parent: Request) -> None:
+        """Children take over the parent's blocks and its seat in the running list."""
+        children = parent.children
+        for child in children:
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+        idx = self.running.index(parent)
+        self.running[idx : idx + 1] = children
+        self.kv.free(parent)
+        self.requests.pop(parent.request_id, None)
+        self._finished_ids.append(parent.request_id)
+        parent.num_sent_tokens = 0
+        parent.status = RequestStatus.FINISHED_STOPPED
+        parent.children = []

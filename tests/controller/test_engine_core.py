@@ -1,0 +1,212 @@
+"""EngineCore set-up, input validation, wire cleanliness and statistics."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from pagedserve.config import from_flat
+from pagedserve.controller.engine_core import EngineCore, child_seed
+from pagedserve.controller.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    InvalidTokenError,
+    PromptTooLongError,
+    RequestError,
+    RequestTooLargeError,
+    UnsupportedRequestError,
+)
+from pagedserve.controller.executor import LocalExecutor
+from pagedserve.kv.errors import RequestTooLargeError as KVRequestTooLargeError
+from pagedserve.messages import (
+    KVCacheLayout,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    decode,
+    encode,
+)
+
+
+def test_init_plans_kv_cache_from_worker_report(kit):
+    fake = kit.FakeExecutor(max_model_len=128, available_kv_bytes=1 << 20, num_layers=3)
+    eng = kit.make_engine(executor=fake, num_gpu_blocks=None, max_model_len=512)
+    # Page = 2 (K,V) * 4 tokens * 2 heads * 8 dims * 2 bytes = 256 B; 3 layers in one group.
+    assert fake.layout == KVCacheLayout(
+        num_blocks=(1 << 20) // 256 // 3, block_size=4, groups=[[0, 1, 2]]
+    )
+    assert eng.max_model_len == 128  # never more than the model supports
+    eng2 = kit.make_engine(executor=kit.FakeExecutor(max_model_len=128), max_model_len=64)
+    assert eng2.max_model_len == 64
+    assert eng2.executor.layout.num_blocks == 64  # num_gpu_blocks wins over the byte budget
+    eng2.shutdown()
+    assert eng2.executor.shut
+
+
+def test_bad_requests_raise_typed_errors_and_leave_others_alone(kit):
+    eng = kit.make_engine(num_gpu_blocks=9, max_model_len=64)  # 8 usable blocks = 32 tokens
+    eng.add_request("ok", [1, 2, 3, 4, 5], SamplingParams(max_tokens=6))
+    eng.step()
+    before = (eng.kv.usage, len(eng.scheduler.requests), len(eng.scheduler.waiting))
+    bad = [
+        (EmptyPromptError, "e", [], SamplingParams()),
+        (PromptTooLongError, "l", [1] * 65, SamplingParams()),
+        (InvalidTokenError, "v1", [1, 1000], SamplingParams()),
+        (InvalidTokenError, "v2", [-1, 2], SamplingParams()),
+        (InvalidTokenError, "v3", [1, 2.5], SamplingParams()),
+        (RequestTooLargeError, "big", [1] * 20, SamplingParams(max_tokens=30)),
+        (DuplicateRequestError, "ok", [1, 2], SamplingParams()),
+        (UnsupportedRequestError, "s", [1, 2], SamplingParams(stop=["x"])),  # no tokenizer
+        (UnsupportedRequestError, "n", [1, 2], SamplingParams(n=17)),
+    ]
+    for err, rid, ids, params in bad:
+        with pytest.raises(err) as info:
+            eng.add_request(rid, ids, params)
+        assert isinstance(info.value, RequestError)
+        assert (eng.kv.usage, len(eng.scheduler.requests), len(eng.scheduler.waiting)) == before
+        assert rid == "ok" or rid not in eng.scheduler.requests
+    # Never-fits also matches kv's own error type.
+    with pytest.raises(KVRequestTooLargeError):
+        eng.add_request("big", [1] * 20, SamplingParams(max_tokens=None))
+    # Fits exactly: 20 + 13 - 1 = 32 token slots.
+    eng.add_request("edge", [1] * 20, SamplingParams(max_tokens=13))
+    done = kit.run(eng)
+    assert len(done["ok"].outputs[0].token_ids) == 6
+    assert len(done["edge"].outputs[0].token_ids) == 13
+    kit.assert_idle(eng)
+
+
+def test_duplicate_of_internal_child_id(kit):
+    eng = kit.make_engine()
+    eng.add_request("x", [1, 2, 3], SamplingParams(n=2))
+    with pytest.raises(DuplicateRequestError):
+        eng.add_request("x#1", [1, 2, 3], SamplingParams())
+    with pytest.raises(DuplicateRequestError):
+        eng.add_request("x", [4], SamplingParams())
+
+
+def _mixed_workload(eng):
+    eng.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=5))
+    eng.add_request("b", list(range(1, 31)), SamplingParams(n=3, max_tokens=4, seed=7))
+    eng.add_request("c", [9, 8, 7], SamplingParams(max_tokens=3, logprobs=2))
+
+
+def test_every_scheduler_output_round_trips_the_codec(kit):
+    eng = kit.make_engine(num_gpu_blocks=14, max_num_batched_tokens=16)
+    _mixed_workload(eng)
+    kit.run(eng)
+    outs = eng.executor.outputs
+    assert outs and any(o.block_copies for o in outs) and any(o.finished_req_ids for o in outs)
+    for so in outs:
+        back = decode(encode(so))
+        assert isinstance(back, SchedulerOutput)
+        assert encode(back) == encode(so)
+        assert back.new_reqs == so.new_reqs and back.cached_reqs == so.cached_reqs
+
+
+def test_step_outputs_and_stats(kit):
+    eng = kit.make_engine()
+    _mixed_workload(eng)
+    seen_partial = False
+    finals = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.request_id in "abc"
+            seen_partial |= not out.finished
+            if out.finished:
+                finals[out.request_id] = out
+    assert seen_partial
+    assert [len(c.token_ids) for c in finals["b"].outputs] == [4, 4, 4]
+    stats = eng.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_usage"] == 0.0 and stats["num_steps"] > 0
+    assert stats["prefix_cache_queries"] > 0 and stats["prefix_cache_hits"] > 0
+    assert eng.step() == []
+
+
+def test_step_hook_sees_block_fill(kit):
+    eng = kit.make_engine(block_size=4)
+    fills = []
+    eng.add_step_hook(lambda sched, so: fills.append(int(sched.kv.block_fill_snapshot().sum())))
+    eng.add_request("a", list(range(1, 11)), SamplingParams(max_tokens=3))
+    kit.run(eng)
+    assert fills[:3] == [10, 11, 12]
+
+
+def test_logprobs_are_recorded(kit):
+    class LogprobExecutor(kit.FakeExecutor):
+        def execute(self, so):
+            out = super().execute(so)
+            out.logprobs = [([t, 1], [-0.5, -1.0]) for t in out.sampled_token_ids]
+            return out
+
+    eng = kit.make_engine(executor=LogprobExecutor())
+    eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=1))
+    c = kit.run(eng)["a"].outputs[0]
+    assert c.cumulative_logprob == -1.0 and len(c.logprobs) == 2
+
+
+def test_child_seeds():
+    assert child_seed(5, 0) == 5 and child_seed(None, 3) is None
+    assert child_seed(5, 1) == 5 + 1_000_003
+    assert child_seed(2**63 - 1, 2) < 2**63
+
+
+class _EchoWorker:
+    """A stand-in for pagedserve.workers.worker.Worker: always samples token 1."""
+
+    instances: list[_EchoWorker] = []
+
+    def __init__(self, config, rank=0):
+        self.rank = rank
+        self.seen: list[SchedulerOutput] = []
+        self.layout = None
+        self.closed = False
+        _EchoWorker.instances.append(self)
+
+    def load_model(self):
+        from pagedserve.messages import LayerKVSpec, WorkerReport
+
+        return WorkerReport([LayerKVSpec(1, 4, 2)], 1 << 16, 50, 32, "cpu")
+
+    def init_kv_cache(self, layout):
+        self.layout = layout
+
+    def execute(self, so):
+        self.seen.append(so)
+        ids = [nr.req_id for nr in so.new_reqs] + list(so.cached_reqs.req_ids)
+        return ModelRunnerOutput(so.step_id, ids, [1] * len(ids))
+
+    def shutdown(self):
+        self.closed = True
+
+
+def test_local_executor_loads_worker_by_path_and_checks_the_wire(monkeypatch):
+    module = types.ModuleType("fake_pagedserve_worker")
+    module.Worker = _EchoWorker
+    monkeypatch.setitem(sys.modules, "fake_pagedserve_worker", module)
+    monkeypatch.setattr("pagedserve.controller.executor.WORKER_MODULE", "fake_pagedserve_worker")
+    cfg = from_flat(block_size=4)
+    eng = EngineCore(cfg, LocalExecutor(cfg, check_wire=True))
+    worker = _EchoWorker.instances[-1]
+    assert worker.layout.block_size == 4 and eng.max_model_len == 32
+    eng.add_request("a", [3, 4, 5], SamplingParams(max_tokens=3))
+    while eng.has_unfinished():
+        eng.step()
+    # Each step reached the worker as a decoded copy, not the scheduler's own object.
+    assert worker.seen and all(isinstance(so, SchedulerOutput) for so in worker.seen)
+    eng.shutdown()
+    assert worker.closed
+
+
+def test_controller_does_not_import_torch():
+    import subprocess
+
+    code = (
+        "import sys; import pagedserve.controller.engine_core, pagedserve.controller.executor;"
+        "import pagedserve.controller.scheduler; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
