@@ -1,0 +1,87 @@
+"""EngineThread: the in-process EngineClient, over the fake executor of conftest."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pagedserve.controller.client import EngineDeadError, EngineThread
+from pagedserve.controller.errors import EmptyPromptError
+from pagedserve.messages import RequestOutput, SamplingParams
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.outputs: list[RequestOutput] = []
+        self.done = threading.Event()
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.outputs.append(out)
+        if out.finished:
+            self.done.set()
+
+
+def test_requests_stream_to_their_sinks(kit) -> None:
+    client = EngineThread(kit.make_engine(), "fake")
+    try:
+        sinks = [Collector() for _ in range(3)]
+        for i, sink in enumerate(sinks):
+            client.add_request(
+                f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), sink
+            )
+        for sink in sinks:
+            assert sink.done.wait(10)
+            final = sink.outputs[-1]
+            assert len(final.outputs[0].token_ids) == 4 and final.outputs[0].finish_reason
+            # Cumulative outputs: each one extends the last.
+            lens = [len(o.outputs[0].token_ids) for o in sink.outputs]
+            assert lens == sorted(lens)
+        assert client.stats()["num_running"] == 0
+    finally:
+        client.shutdown()
+
+
+def test_bad_request_raises_and_others_continue(kit) -> None:
+    client = EngineThread(kit.make_engine(), "fake")
+    try:
+        with pytest.raises(EmptyPromptError):
+            client.add_request("bad", [], SamplingParams(), Collector())
+        ok = Collector()
+        client.add_request("ok", [9, 9], SamplingParams(max_tokens=2, ignore_eos=True), ok)
+        assert ok.done.wait(10)
+    finally:
+        client.shutdown()
+
+
+def test_abort_finishes_with_abort_and_frees_blocks(kit) -> None:
+    client = EngineThread(kit.make_engine(), "fake")
+    try:
+        sink = Collector()
+        client.add_request("long", [3] * 20, SamplingParams(max_tokens=200,
+                                                            ignore_eos=True), sink)
+        client.abort_request("long")
+        assert sink.done.wait(10)
+        assert sink.outputs[-1].outputs[0].finish_reason == "abort"
+        assert client.stats()["kv_blocks_used"] == 0
+    finally:
+        client.shutdown()
+
+
+def test_dead_engine_fails_requests_and_refuses_new_ones(kit) -> None:
+    engine = kit.make_engine()
+    client = EngineThread(engine, "fake")
+    try:
+        def boom(_):
+            raise RuntimeError("worker exploded")
+
+        engine.executor.execute = boom
+        sink = Collector()
+        client.add_request("r", [4, 4], SamplingParams(max_tokens=3, ignore_eos=True), sink)
+        assert sink.done.wait(10)
+        assert sink.outputs[-1].error and "worker exploded" in sink.outputs[-1].error
+        assert not client.is_healthy()
+        with pytest.raises(EngineDeadError):
+            client.add_request("r2", [4], SamplingParams(), Collector())
+    finally:
+        client.shutdown()
