@@ -7,7 +7,6 @@ controller takes over; nothing here touches a tensor.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import sys
@@ -17,26 +16,13 @@ from typing import Any
 from pagedserve.config import EngineConfig, from_flat
 from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.executor import LocalExecutor
+from pagedserve.controller.launch import resolve_model_dir
 from pagedserve.controller.tokenizer import load_tokenizer
 from pagedserve.messages import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int]
-
-
-def resolve_model_dir(model: str | None) -> str:
-    """The checkpoint to serve; with none given, the demo checkpoint (written once, cached)."""
-    if model:
-        return model
-    demo = importlib.import_module("pagedserve.workers.demo")
-    path = demo.demo_checkpoint_dir()
-    logger.warning(
-        "no model given: serving the built-in demo checkpoint at %s "
-        "(random weights: its output is meaningless)",
-        path,
-    )
-    return str(path)
 
 
 class LLM:
