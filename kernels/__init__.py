@@ -1,1 +1,107 @@
-"""kernels."""
+"""Paged-attention kernels: Triton on CUDA, pure torch on CPU.
+
+The un-prefixed names dispatch on the device of their tensors: CUDA tensors go to the Triton
+kernels (falling back to the torch reference, which runs on any device, for shapes or dtypes the
+kernels do not support, e.g. a head dim that is not a power of two or float64); everything else
+goes to the torch reference. ``triton_*`` and ``*_ref`` pick an implementation explicitly (the
+tests run both on CPU, Triton through ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedserve.kernels._checks import TRITON_FLOAT_DTYPES
+from pagedserve.kernels.attention import paged_attention as triton_paged_attention
+from pagedserve.kernels.cache import reshape_and_cache as triton_reshape_and_cache
+from pagedserve.kernels.copy import copy_blocks as triton_copy_blocks
+from pagedserve.kernels.cp_layout import cp_global_position, cp_local_seq_len, cp_owner_and_offset
+from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
+from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
+from pagedserve.kernels.reference import (
+    copy_blocks_ref,
+    merge_attn_states_ref,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+)
+
+
+def _use_triton(x: torch.Tensor, head_dim: int | None = None) -> bool:
+    if not x.is_cuda or x.dtype not in TRITON_FLOAT_DTYPES:
+        return False
+    return head_dim is None or (16 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, H_kv, D]
+    value: torch.Tensor,  # [T, H_kv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D], contiguous
+    slot_mapping: torch.Tensor,  # [T], int32/int64; -1 = skip
+) -> None:
+    """Writes keys and values into their slots; see ``reshape_and_cache_ref``."""
+    impl = triton_reshape_and_cache if _use_triton(kv_cache) else reshape_and_cache_ref
+    impl(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T_q, H_q, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D], contiguous
+    out: torch.Tensor,  # [T_q, H_q, D], written
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32
+    block_table: torch.Tensor,  # [num_seqs, max_blocks], int32
+    softmax_scale: float,
+    *,
+    sliding_window: int | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    cp_interleave: int = 1,
+    return_lse: bool = False,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor | None:
+    """Varlen causal paged attention; see ``paged_attention_ref``."""
+    impl = triton_paged_attention if _use_triton(q, q.shape[-1]) else paged_attention_ref
+    return impl(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+                sliding_window=sliding_window, cp_rank=cp_rank, cp_size=cp_size,
+                cp_interleave=cp_interleave, return_lse=return_lse, num_kv_splits=num_kv_splits)
+
+
+def merge_attn_states(
+    outputs: torch.Tensor,  # [N, T, H, D]
+    lses: torch.Tensor,  # [N, T, H], float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE merge of partial attention results; see ``merge_attn_states_ref``."""
+    impl = triton_merge_attn_states if _use_triton(outputs) else merge_attn_states_ref
+    return impl(outputs, lses)
+
+
+def copy_blocks(
+    kv_caches: Sequence[torch.Tensor],  # per layer [num_blocks, ...], contiguous
+    src_to_dst: torch.Tensor | Sequence[Sequence[int]],  # [n, 2] (src, dst)
+) -> None:
+    """Copy-on-write block copies in every layer; see ``copy_blocks_ref``."""
+    on_cuda = len(kv_caches) > 0 and kv_caches[0].is_cuda
+    (triton_copy_blocks if on_cuda else copy_blocks_ref)(kv_caches, src_to_dst)
+
+
+__all__ = [
+    "KernelArgumentError",
+    "KernelDtypeError",
+    "copy_blocks",
+    "copy_blocks_ref",
+    "cp_global_position",
+    "cp_local_seq_len",
+    "cp_owner_and_offset",
+    "merge_attn_states",
+    "merge_attn_states_ref",
+    "paged_attention",
+    "paged_attention_ref",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "triton_copy_blocks",
+    "triton_merge_attn_states",
+    "triton_paged_attention",
+    "triton_reshape_and_cache",
+]

@@ -1,0 +1,267 @@
+"""Pure-torch references for the paged-attention kernels (the engine's CPU path).
+
+Each function has the same signature and semantics as its Triton launcher, and is vectorised:
+no Python loop over tokens. Attention groups sequences with similar key counts (decodes batch
+together; a long prefill is cut into query chunks to bound the score matrix), gathers each
+group's K and V through the block table with one ``index_select`` of D-element rows straight
+into ``[S, H_kv, N, D]``, and runs batched matmuls, or the fused
+``scaled_dot_product_attention`` when no LSE is needed. Math is float32 (float64 for float64).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels._checks import (
+    check_copy_blocks,
+    check_merge,
+    check_paged_attention,
+    check_reshape_and_cache,
+)
+from pagedserve.kernels.cp_layout import cp_global_position, cp_local_seq_len
+from pagedserve.kernels.errors import KernelArgumentError
+
+# Upper bound on elements of one score matrix [S, H_q, Q, N] built by the attention reference.
+_SCORE_BUDGET = 1 << 24
+# Sequences with at most this many new tokens are padded and batched together.
+_SMALL_Q = 16
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,  # [T, H_kv, D]
+    value: torch.Tensor,  # [T, H_kv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D], contiguous
+    slot_mapping: torch.Tensor,  # [T], int32/int64; slot = block_id * B + offset; -1 = skip
+) -> None:
+    """Writes each token's key and value into its cache slot; slots < 0 are left untouched."""
+    check_reshape_and_cache(key, value, kv_cache, slot_mapping)
+    bs = kv_cache.shape[2]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    blk, off = slots // bs, slots % bs
+    kv_cache[blk, 0, off] = key[keep]
+    kv_cache[blk, 1, off] = value[keep]
+
+
+def _attend_group(
+    q: torch.Tensor,  # [S, Q, H_q, D], compute dtype
+    k: torch.Tensor,  # [S, H_kv, N, D], compute dtype, contiguous
+    v: torch.Tensor,  # [S, H_kv, N, D], compute dtype, contiguous
+    visible: torch.Tensor,  # [S, Q, N], bool
+    scale: float,
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Masked softmax attention; returns out [S, Q, H_q, D] and natural-log lse [S, Q, H_q]."""
+    s, nq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    # GQA without repeating K/V: fold the group's heads into the query rows of one kv head.
+    qh = q.reshape(s, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * nq, d)
+    mask = visible.unsqueeze(1).expand(s, g, nq, -1).reshape(s, 1, g * nq, -1)
+    if not need_lse:
+        # Every row sees at least its own key here, so the fused kernel never meets an empty row.
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        lse = None
+    else:
+        scores = torch.matmul(qh, k.transpose(-1, -2)) * scale  # [S, H_kv, G*Q, N]
+        scores = scores.masked_fill_(~mask, -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)  # [S, H_kv, G*Q]; -inf where nothing is visible
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        probs = torch.exp_(scores.sub_(safe.unsqueeze(-1)))
+        o = torch.matmul(probs, v)  # [S, H_kv, G*Q, D]
+        lse = lse.reshape(s, hkv, g, nq).permute(0, 3, 1, 2).reshape(s, nq, hq)
+    o = o.reshape(s, hkv, g, nq, d).permute(0, 3, 1, 2, 4).reshape(s, nq, hq, d)
+    return o, lse
+
+
+def _run_items(
+    items: list[tuple[int, int, int]],  # (seq, first new-token index, count)
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None,
+    cu: list[int],
+    lens: list[int],
+    block_table: torch.Tensor,
+    scale: float,
+    window: int | None,
+    cp: tuple[int, int, int],
+    cdtype: torch.dtype,
+) -> None:
+    rank, size, inter = cp
+    dev = q.device
+    bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    max_blocks = block_table.shape[1]
+    seq_idx = torch.tensor([it[0] for it in items], device=dev)
+    q_first = torch.tensor([it[1] for it in items], device=dev)  # [S]
+    q_cnt = torch.tensor([it[2] for it in items], device=dev)  # [S]
+    seq_len = torch.tensor([lens[it[0]] for it in items], device=dev)  # [S]
+    q_len = torch.tensor([cu[it[0] + 1] - cu[it[0]] for it in items], device=dev)  # [S]
+    tok0 = torch.tensor([cu[it[0]] for it in items], device=dev)  # [S]
+    nq = max(it[2] for it in items)
+    ns = len(items)
+    ctx = seq_len - q_len  # global position of new token 0
+    # Keys needed by the items: local indices [j_lo, j_hi) (the local packing is monotone).
+    last_pos = ctx + q_first + q_cnt - 1  # [S]
+    j_hi = cp_local_seq_len(last_pos + 1, rank, size, inter)
+    if window is not None:
+        j_lo = cp_local_seq_len((ctx + q_first - window + 1).clamp(min=0), rank, size, inter)
+    else:
+        j_lo = torch.zeros_like(j_hi)
+    # Gather the blocks covering [j_lo, j_hi) straight into [S, H_kv, N, D] (N = nb * B): one
+    # index_select of D-element rows per tensor, no separate layout copy.
+    b_lo = j_lo // bs
+    b_hi = (j_hi + bs - 1) // bs
+    nb = max(int((b_hi - b_lo).max()), 1)
+    col = b_lo.unsqueeze(1) + torch.arange(nb, device=dev)  # [S, nb]
+    col_ok = col < b_hi.unsqueeze(1)
+    ids = block_table[seq_idx.unsqueeze(1), col.clamp(max=max_blocks - 1)].long()
+    ids = torch.where(col_ok, ids, torch.zeros_like(ids))  # unused table entries may be garbage
+    heads = torch.arange(hkv, device=dev).view(1, hkv, 1, 1)
+    offs = torch.arange(bs, device=dev).view(1, 1, 1, bs)
+    k_rows = ((ids.view(ns, 1, nb, 1) * 2 * bs + offs) * hkv + heads).reshape(-1)  # K at index 0
+    rows_of = kv_cache.view(-1, d)  # [num_blocks * 2 * B * H_kv, D]
+    k = rows_of.index_select(0, k_rows).view(ns, hkv, nb * bs, d).to(cdtype)
+    v = rows_of.index_select(0, k_rows + bs * hkv).view(ns, hkv, nb * bs, d).to(cdtype)
+    j = (b_lo * bs).unsqueeze(1) + torch.arange(nb * bs, device=dev)  # [S, N] local indices
+    key_ok = (j >= j_lo.unsqueeze(1)) & (j < j_hi.unsqueeze(1))
+    key_pos = cp_global_position(j, rank, bs, size, inter)  # [S, N]
+    i = torch.arange(nq, device=dev)
+    q_ok = i.unsqueeze(0) < q_cnt.unsqueeze(1)  # [S, Q]
+    q_pos = (ctx + q_first).unsqueeze(1) + i  # [S, Q] global positions
+    rows = tok0.unsqueeze(1) + q_first.unsqueeze(1) + torch.where(q_ok, i, torch.zeros_like(i))
+    visible = key_ok.unsqueeze(1) & (key_pos.unsqueeze(1) <= q_pos.unsqueeze(2))  # [S, Q, N]
+    if window is not None:
+        visible &= key_pos.unsqueeze(1) > (q_pos - window).unsqueeze(2)
+    # Padding query rows get one visible key so the fused path never sees an empty row.
+    visible[:, :, 0] |= ~q_ok
+    o, lse = _attend_group(q[rows].to(cdtype), k, v, visible, scale, lse_out is not None)
+    out[rows[q_ok]] = o[q_ok].to(out.dtype)
+    if lse_out is not None and lse is not None:
+        lse_out[rows[q_ok]] = lse[q_ok].to(lse_out.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T_q, H_q, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D], contiguous
+    out: torch.Tensor,  # [T_q, H_q, D], written
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32, global lengths incl. the new tokens
+    block_table: torch.Tensor,  # [num_seqs, max_blocks], int32
+    softmax_scale: float,
+    *,
+    sliding_window: int | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    cp_interleave: int = 1,
+    return_lse: bool = False,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor | None:
+    """Causal varlen attention of new tokens over their sequences' paged KV.
+
+    Query ``i`` of a sequence with ``L`` tokens, ``q_len`` of them new, sits at global position
+    ``L - q_len + i`` and sees keys at positions ``p <= pos`` (and ``p > pos - sliding_window``).
+    With ``cp_size > 1`` only this rank's interleaved shard of the keys is attended (see
+    ``cp_layout``). Rows of ``out`` past ``cu_seqlens_q[-1]`` (padding) are left unspecified,
+    their LSE is -inf. ``num_kv_splits`` is a tuning hint for the Triton path (``None`` lets it
+    choose; the split-KV path merges partial results with the LSE rule) and is ignored here.
+
+    Returns:
+        The natural-log LSE ``[T_q, H_q]`` float32 if ``return_lse`` (``-inf`` where a query sees
+        no key; its output row is 0), else None.
+    """
+    del num_kv_splits
+    check_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale,
+                          sliding_window, cp_rank, cp_size, cp_interleave)
+    hq, d = q.shape[1], q.shape[2]
+    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_out = torch.full((q.shape[0], hq), -math.inf, dtype=torch.float32, device=q.device)
+    # Without CP every query sees its own key, so the fused SDPA path is safe when no LSE is
+    # asked for; with CP a rank may hold no visible key for a query (empty row).
+    need_lse = return_lse or cp_size > 1
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    lens = [int(x) for x in seq_lens.tolist()]
+    for s in range(len(lens)):
+        if cu[s + 1] - cu[s] > lens[s]:
+            raise KernelArgumentError(
+                f"sequence {s} has {cu[s + 1] - cu[s]} new tokens but length {lens[s]}"
+            )
+    cp = (cp_rank, cp_size, cp_interleave)
+    args = (q, kv_cache, out, lse_out if need_lse else None, cu, lens, block_table,
+            float(softmax_scale), sliding_window, cp, cdtype)
+    # Decodes (and other short query runs) are padded into batches of similar key counts (the
+    # padding costs gathers and FLOPs); longer query runs are cut into chunks.
+    small: list[tuple[int, int]] = []  # (keys to read, seq)
+    for s, length in enumerate(lens):
+        q_len = cu[s + 1] - cu[s]
+        if q_len == 0:
+            continue
+        if q_len <= _SMALL_Q:
+            small.append((min(length, (sliding_window or length) + q_len) // cp_size + 1, s))
+            continue
+        chunk = max(1, _SCORE_BUDGET // max(1, hq * (length // cp_size + 1)))
+        for first in range(0, q_len, chunk):
+            _run_items([(s, first, min(chunk, q_len - first))], *args)
+    small.sort(reverse=True)
+    group: list[tuple[int, int, int]] = []
+    group_keys, group_q = 0, 0
+    for keys, s in small:
+        q_len = cu[s + 1] - cu[s]
+        width = max(hq * max(group_q, q_len), 2 * kv_cache.shape[3] * d)  # per-key cost
+        if group and ((len(group) + 1) * group_keys * width > _SCORE_BUDGET
+                      or 2 * keys < group_keys):
+            _run_items(group, *args)
+            group, group_keys, group_q = [], 0, 0
+        group.append((s, 0, q_len))
+        group_keys, group_q = max(group_keys, keys), max(group_q, q_len)
+    if group:
+        _run_items(group, *args)
+    return lse_out if return_lse else None
+
+
+def merge_attn_states_ref(
+    outputs: torch.Tensor,  # [N, T, H, D], each shard's normalised output
+    lses: torch.Tensor,  # [N, T, H], float32, natural-log LSE of each shard
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges N partial attention results by their LSEs.
+
+    ``lse = log sum_r exp(lse_r)``, ``out = sum_r exp(lse_r - lse) * out_r``. A shard whose LSE is
+    -inf, +inf or NaN is empty and contributes nothing (its output may hold garbage). Where every
+    shard is empty the output is 0 and the LSE -inf.
+
+    Returns:
+        (out ``[T, H, D]`` in ``outputs.dtype``, lse ``[T, H]`` float32).
+    """
+    check_merge(outputs, lses)
+    cdtype = torch.float64 if outputs.dtype == torch.float64 else torch.float32
+    lse = lses.to(cdtype)
+    lse = torch.where(torch.isnan(lse) | (lse == math.inf), torch.full_like(lse, -math.inf), lse)
+    m = lse.max(dim=0).values  # [T, H]
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_safe)  # [N, T, H]; 0 for empty shards
+    total = w.sum(dim=0)  # [T, H]
+    merged_lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, -math.inf))
+    frac = w / torch.where(total > 0, total, torch.ones_like(total))
+    contrib = torch.where((frac > 0).unsqueeze(-1), frac.unsqueeze(-1) * outputs.to(cdtype), 0.0)
+    return contrib.sum(dim=0).to(outputs.dtype), merged_lse.to(torch.float32)
+
+
+def copy_blocks_ref(
+    kv_caches: Sequence[torch.Tensor],  # per layer [num_blocks, ...], contiguous
+    src_to_dst: torch.Tensor | Sequence[Sequence[int]],  # [n, 2] int64 (src, dst) block ids
+) -> None:
+    """Copies whole blocks ``src -> dst`` in every layer (copy-on-write).
+
+    Destinations must be distinct and must not also be sources in the same call.
+    """
+    pairs = check_copy_blocks(kv_caches, src_to_dst)
+    if pairs.numel() == 0:
+        return
+    src, dst = pairs[:, 0], pairs[:, 1]
+    for cache in kv_caches:
+        cache[dst] = cache[src]
