@@ -1,1 +1,1 @@
-"""Model building blocks: linear, attention, norm, rotary, embedding."""
+"""Model building blocks: norms, rotary embeddings, activations, paged attention."""

@@ -1,0 +1,59 @@
+"""InputBatch: rows are added, appended, removed and condensed with their block-table rows."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.messages import NewRequestData, SamplingParams
+from pagedserve.workers.block_table import BlockTable, MultiGroupBlockTable
+from pagedserve.workers.input_batch import InputBatch
+
+CPU = torch.device("cpu")
+
+
+def make_batch(max_reqs: int = 4) -> InputBatch:
+    tables = MultiGroupBlockTable([BlockTable(max_reqs, 8, 4, CPU) for _ in range(2)])
+    return InputBatch(max_reqs, 32, 50, tables, CPU)
+
+
+def new(rid: str, prompt: list[int], blocks: list[list[int]], **sp) -> NewRequestData:
+    return NewRequestData(rid, prompt, [], SamplingParams(**sp), blocks, 0)
+
+
+def test_add_append_remove_condense():
+    b = make_batch()
+    for i, rid in enumerate("abcd"):
+        assert b.add_request(new(rid, [i] * (i + 1), [[10 + i], [20 + i]], top_k=i)) == i
+    b.append_tokens("b", [7, 8])
+    assert b.token_ids[1, :4].tolist() == [1, 1, 7, 8] and b.num_tokens[1] == 4
+    b.remove_request("a")
+    b.remove_request("c")
+    assert b.num_reqs == 2 and b.req_ids == [None, "b", None, "d"]
+    b.condense()
+    assert b.req_ids[:2] == ["d", "b"] and b.req_ids[2:] == [None, None]
+    assert b.index_of == {"d": 0, "b": 1}
+    assert b.token_ids[0, :4].tolist() == [3, 3, 3, 3] and b.num_tokens[0] == 4
+    assert b.columns["top_k"][0] == 3 and b.params[0].top_k == 3
+    assert b.block_table[0].np[0, 0] == 13 and b.block_table[1].np[0, 0] == 23
+    assert b.block_table[0].num_blocks.tolist() == [1, 1, 0, 0]
+    # A new request takes the lowest free row.
+    assert b.add_request(new("e", [5], [[30], [31]])) == 2
+
+
+def test_resumed_request_keeps_its_outputs_and_seed_stream():
+    b = make_batch()
+    req = NewRequestData("r", [1, 2], [3, 4, 5], SamplingParams(seed=7), [[1], [2]], 0)
+    row = b.add_request(req)
+    assert b.token_ids[row, :5].tolist() == [1, 2, 3, 4, 5]
+    assert b.num_prompt_tokens[row] == 2 and b.num_tokens[row] == 5
+    fresh = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        torch.empty(50).exponential_(generator=fresh)
+    assert torch.equal(b.generators[row].get_state(), fresh.get_state())
+
+
+def test_readding_an_id_replaces_the_row():
+    b = make_batch()
+    b.add_request(new("x", [1, 2, 3], [[1], [2]]))
+    b.add_request(new("x", [9], [[5], [6]]))
+    assert b.num_reqs == 1 and b.token_ids[0, 0] == 9 and b.block_table[0].np[0, 0] == 5

@@ -1,0 +1,152 @@
+"""Per-rank block tables: request row -> physical KV block ids, and the token -> slot mapping.
+
+One ``BlockTable`` per KV-cache group. Rows are edited on a host numpy buffer as the scheduler's
+deltas arrive and committed to the device once per step.
+
+Block sizes: the kv tensor's block dim is the *kernel* block size ``B_k``; the controller's
+manager blocks hold ``B = k * B_k`` tokens per rank and, with decode context parallelism of
+``W`` ranks, ``V = B * W`` tokens of the sequence (the virtual block). A manager block id ``b``
+is stored as the kernel ids ``b*k .. b*k + k-1`` so the attention kernel sees a table in
+``B_k`` units, and both views address the same memory: ``(b*k + j)*B_k + o == b*B + j*B_k + o``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pagedserve.workers.buffers import HostDeviceBuffer
+
+
+class BlockTable:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+        *,
+        kernel_block_size: int | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_interleave: int = 1,
+    ) -> None:
+        """``max_num_blocks_per_req`` and ``block_size`` are in manager blocks (per rank)."""
+        kbs = kernel_block_size or block_size
+        if block_size % kbs or block_size % cp_interleave or not 0 <= cp_rank < cp_size:
+            raise ValueError(
+                f"bad block table geometry: block_size={block_size}, kernel={kbs}, "
+                f"cp={cp_rank}/{cp_size}, interleave={cp_interleave}"
+            )
+        self.block_size = block_size
+        self.kernel_block_size = kbs
+        self.blocks_per_manager_block = block_size // kbs
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.cp_interleave = cp_interleave
+        width = max_num_blocks_per_req * self.blocks_per_manager_block
+        self.table = HostDeviceBuffer(max_num_reqs, width, dtype=torch.int32, device=device)
+        self.np = self.table.np  # [max_reqs, width] kernel block ids
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)  # used kernel columns per row
+
+    def _to_kernel_ids(self, block_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.int32)
+        k = self.blocks_per_manager_block
+        if k == 1:
+            return ids
+        return (ids[:, None] * k + np.arange(k, dtype=np.int32)).reshape(-1)
+
+    # Row operations (host side only; commit() publishes them) -------------------------------
+
+    def append_row(self, block_ids: Sequence[int], row: int) -> None:
+        if len(block_ids) == 0:
+            return
+        ids = self._to_kernel_ids(block_ids)
+        start = self.num_blocks[row]
+        if start + len(ids) > self.np.shape[1]:
+            raise ValueError(
+                f"row {row}: {start + len(ids)} blocks exceed width {self.np.shape[1]}"
+            )
+        self.np[row, start : start + len(ids)] = ids
+        self.num_blocks[row] = start + len(ids)
+
+    def add_row(self, block_ids: Sequence[int], row: int) -> None:
+        self.clear_row(row)
+        self.append_row(block_ids, row)
+
+    def clear_row(self, row: int) -> None:
+        self.np[row, : self.num_blocks[row]] = 0
+        self.num_blocks[row] = 0
+
+    def move_row(self, src: int, dst: int) -> None:
+        n = self.num_blocks[src]
+        self.np[dst, :n] = self.np[src, :n]
+        self.np[dst, n : self.num_blocks[dst]] = 0
+        self.num_blocks[dst] = n
+
+    def swap_row(self, a: int, b: int) -> None:
+        self.np[[a, b]] = self.np[[b, a]]
+        self.num_blocks[[a, b]] = self.num_blocks[[b, a]]
+
+    def clear(self) -> None:
+        self.np[:] = 0
+        self.num_blocks[:] = 0
+
+    # Per-step ------------------------------------------------------------------------------
+
+    def slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Physical slot of each token on this rank, or -1 when another CP rank stores it.
+
+        ``req_indices[t]`` is the row of token t, ``positions[t]`` its position in the sequence.
+        """
+        req_indices = np.asarray(req_indices, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        w, inter, b = self.cp_size, self.cp_interleave, self.block_size
+        virtual = b * w
+        off = positions % virtual
+        owner = (off // inter) % w
+        local = (off // (w * inter)) * inter + off % inter
+        col = (positions // virtual) * self.blocks_per_manager_block
+        first_kernel_id = self.np[req_indices, col].astype(np.int64)
+        # first_kernel_id = manager_id * k, so first_kernel_id * B_k = manager_id * B.
+        slots = first_kernel_id * self.kernel_block_size + local
+        return np.where(owner == self.cp_rank, slots, -1)
+
+    def commit(self, num_reqs: int) -> torch.Tensor:
+        """Publish the first ``num_reqs`` rows; returns the device table ``[num_reqs, width]``."""
+        return self.table.commit(num_reqs)
+
+
+class MultiGroupBlockTable:
+    """One ``BlockTable`` per KV-cache group; block ids arrive as one list per group."""
+
+    def __init__(self, tables: list[BlockTable]) -> None:
+        self.tables = tables
+
+    def __getitem__(self, group: int) -> BlockTable:
+        return self.tables[group]
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def append_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
+        for table, ids in zip(self.tables, block_ids, strict=True):
+            table.append_row(ids, row)
+
+    def add_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
+        for table, ids in zip(self.tables, block_ids, strict=True):
+            table.add_row(ids, row)
+
+    def clear_row(self, row: int) -> None:
+        for table in self.tables:
+            table.clear_row(row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        for table in self.tables:
+            table.move_row(src, dst)
+
+    def swap_row(self, a: int, b: int) -> None:
+        for table in self.tables:
+            table.swap_row(a, b)

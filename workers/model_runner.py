@@ -1,0 +1,194 @@
+"""One step on one rank: apply the scheduler's deltas, build inputs, run the model, sample.
+
+The runner owns the persistent ``InputBatch`` and block tables. Each step it:
+1. drops finished rows, appends new tokens / block ids to running rows, adds new requests,
+   condenses the batch;
+2. runs copy-on-write block copies;
+3. builds positions, ``cu_seqlens_q``, ``seq_lens`` and per-group slot mappings for the rows
+   with scheduled tokens;
+4. runs the model, projects only each sampling row's last hidden state to logits, samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.kernels import copy_blocks
+from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
+from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
+from pagedserve.workers.input_batch import InputBatch
+from pagedserve.workers.kv_pool import KVPool
+from pagedserve.workers.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: InputBatch,
+        kv_pool: KVPool,
+        sampler: Sampler,
+        device: torch.device,
+        cp: tuple[int, int, int] = (0, 1, 1),
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.model = model
+        self.batch = batch
+        self.kv_pool = kv_pool
+        self.sampler = sampler
+        self.device = device
+        self.cp_rank, self.cp_size, self.cp_interleave = cp
+
+    # 1. state ---------------------------------------------------------------------------------
+
+    def update_state(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for rid in so.finished_req_ids:
+            batch.remove_request(rid)
+        cached = so.cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            row = batch.index_of.get(rid)
+            if row is None:
+                raise KeyError(f"running request {rid!r} is not in this worker's batch")
+            if cached.new_token_ids and cached.new_token_ids[i]:
+                batch.append_tokens(rid, cached.new_token_ids[i])
+            if cached.new_block_ids and cached.new_block_ids[i] is not None:
+                batch.block_table.append_row(cached.new_block_ids[i], row)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
+        for req in so.new_reqs:
+            batch.add_request(req)
+        batch.condense()
+
+    # 2-4. the step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_state(so)
+        if so.block_copies:
+            pairs = torch.tensor([list(p) for p in so.block_copies], dtype=torch.int64)
+            copy_blocks(self.kv_pool.tensors, pairs.to(self.device))
+        batch = self.batch
+        rows = [
+            r for r in range(batch.num_reqs) if so.num_scheduled_tokens.get(batch.req_ids[r], 0)
+        ]
+        out = ModelRunnerOutput(step_id=so.step_id)
+        if not rows:
+            return out
+        rows_np = np.asarray(rows, dtype=np.int64)
+        counts = np.asarray([so.num_scheduled_tokens[batch.req_ids[r]] for r in rows])
+        start = batch.num_computed_tokens[rows_np]
+        seq_lens = start + counts
+        if (seq_lens > batch.num_tokens[rows_np]).any():
+            raise ValueError("scheduled tokens past the end of a request's known tokens")
+        sample_mask = seq_lens == batch.num_tokens[rows_np]
+
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        req_idx = np.repeat(rows_np, counts)  # [T] batch row of each token
+        positions = np.repeat(start - cu[:-1], counts) + np.arange(cu[-1])  # [T]
+        input_ids = batch.token_ids[req_idx, positions]
+
+        to_dev = self._to_device
+        rows_dev = to_dev(rows_np)
+        cu_dev = to_dev(cu, torch.int32)
+        seq_lens_dev = to_dev(seq_lens, torch.int32)
+        groups = []
+        for table in batch.block_table.tables:
+            full = table.commit(batch.num_reqs)  # [num_reqs, width]
+            groups.append(
+                AttentionMetadata(
+                    slot_mapping=to_dev(table.slot_mapping(req_idx, positions)),
+                    block_table=full.index_select(0, rows_dev),
+                    seq_lens=seq_lens_dev,
+                    cu_seqlens_q=cu_dev,
+                )
+            )
+        ctx = ForwardContext(groups, self.cp_rank, self.cp_size, self.cp_interleave)
+        with forward_context(ctx):
+            hidden = self.model(to_dev(input_ids), to_dev(positions))  # [T, hidden]
+        batch.num_computed_tokens[rows_np] = seq_lens
+
+        sample_rows = rows_np[sample_mask]
+        if len(sample_rows) == 0:
+            if self.device.type == "cuda":
+                # Nothing is read back this step, so wait here: the next step rewrites the
+                # pinned block-table buffers that this step's async copies read from.
+                torch.cuda.current_stream(self.device).synchronize()
+            return out
+        last = to_dev(cu[1:][sample_mask] - 1)
+        logits = self.model.compute_logits(hidden.index_select(0, last))  # [N, V]
+        result = self.sampler(logits, self._sampling_metadata(sample_rows))
+        return self._output(out, sample_rows, result)
+
+    def _to_device(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        b = self.batch
+        col = {k: torch.from_numpy(v[rows]).to(self.device) for k, v in b.columns.items()}
+        params = [b.params[r] for r in rows]
+        md = SamplingMetadata(
+            temperature=col["temperature"],
+            top_k=col["top_k"],
+            top_p=col["top_p"],
+            min_p=col["min_p"],
+            generators=[b.generators[r] for r in rows],
+            num_logprobs=[p.logprobs if p is not None else None for p in params],
+        )
+        uses_penalties = (
+            (col["repetition_penalty"] != 1.0)
+            | (col["presence_penalty"] != 0.0)
+            | (col["frequency_penalty"] != 0.0)
+        )
+        md.banned = self._banned_stop_tokens(rows)
+        if bool(uses_penalties.any()):
+            md.repetition_penalty = col["repetition_penalty"]
+            md.presence_penalty = col["presence_penalty"]
+            md.frequency_penalty = col["frequency_penalty"]
+            md.prompt_tokens = self._padded(rows, 0)
+            md.output_tokens = self._padded(rows, 1)
+        return md
+
+    def _banned_stop_tokens(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Stop tokens (and EOS unless ignored) of rows still short of ``min_tokens``."""
+        b = self.batch
+        pairs: list[tuple[int, int]] = []
+        for i, r in enumerate(rows):
+            p = b.params[r]
+            if p is None or p.min_tokens <= b.num_tokens[r] - b.num_prompt_tokens[r]:
+                continue
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            pairs.extend((i, t) for t in stops if 0 <= t < b.vocab_size)
+        if not pairs:
+            return None
+        idx = self._to_device(np.asarray(pairs, dtype=np.int64))
+        return idx[:, 0], idx[:, 1]
+
+    def _padded(self, rows: np.ndarray, part: int) -> torch.Tensor:
+        """Prompt (part 0) or output (part 1) tokens of each row, padded with vocab_size."""
+        b = self.batch
+        lo = np.zeros(len(rows), dtype=np.int64) if part == 0 else b.num_prompt_tokens[rows]
+        hi = b.num_prompt_tokens[rows] if part == 0 else b.num_tokens[rows]
+        width = max(1, int((hi - lo).max()))
+        idx = lo[:, None] + np.arange(width)[None, :]  # [N, width]
+        valid = idx < hi[:, None]
+        toks = b.token_ids[rows[:, None], np.minimum(idx, b.max_model_len - 1)].astype(np.int64)
+        return self._to_device(np.where(valid, toks, b.vocab_size))
+
+    def _output(
+        self, out: ModelRunnerOutput, rows: np.ndarray, result: SamplerOutput
+    ) -> ModelRunnerOutput:
+        b = self.batch
+        out.req_ids = [b.req_ids[r] for r in rows]  # type: ignore[misc]
+        out.sampled_token_ids = result.sampled.tolist()
+        if result.logprob_ids is not None and result.logprobs is not None:
+            ids, lps = result.logprob_ids.tolist(), result.logprobs.tolist()
+            out.logprobs = []
+            for i, r in enumerate(rows):
+                p = b.params[r]
+                n = None if p is None else p.logprobs
+                out.logprobs.append(None if n is None else (ids[i][: 1 + n], lps[i][: 1 + n]))
+        return out

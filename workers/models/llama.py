@@ -1,0 +1,196 @@
+"""The Llama family: Llama 2/3, Qwen2/2.5, Qwen3 and Mistral, one implementation.
+
+The variants differ only in switches read into ``ModelArch``: QKV bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), per-layer sliding windows (Mistral, hybrid ``layer_types``), tied embeddings
+and the RoPE scaling. Layers are tensor-parallel; at tp=1 they are plain linears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.parallel.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from pagedserve.parallel.state import ParallelState
+from pagedserve.workers.layers.activation import SiluAndMul
+from pagedserve.workers.layers.attention import PagedAttention
+from pagedserve.workers.layers.norm import RMSNorm
+from pagedserve.workers.layers.rotary import RotaryEmbedding
+from pagedserve.workers.models.arch import ModelArch
+
+# checkpoint sub-name -> (our fused parameter, shard id)
+_STACKED = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer_index: int,
+        max_position: int,
+        state: ParallelState,
+        dcp: ParallelState | None = None,
+    ) -> None:
+        super().__init__()
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.qkv_bias, state
+        )
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, arch.o_bias, state)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = RotaryEmbedding(d, max_position, arch.rope)
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            d**-0.5,
+            layer_index,
+            arch.sliding_windows[layer_index],
+            dcp,
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.contiguous(), k.contiguous(), v.contiguous())
+        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch, state: ParallelState) -> None:
+        super().__init__()
+        i = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [i, i], arch.mlp_bias, state
+        )
+        self.down_proj = RowParallelLinear(i, arch.hidden_size, arch.mlp_bias, state)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer_index: int,
+        max_position: int,
+        state: ParallelState,
+        dcp: ParallelState | None = None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, layer_index, max_position, state, dcp)
+        self.mlp = LlamaMLP(arch, state)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # Residual adds in the model dtype, in the same order as the reference implementation.
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        max_position: int,
+        state: ParallelState,
+        dcp: ParallelState | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, state)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, max_position, state, dcp) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns hidden states; ``compute_logits`` projects only the rows asked for.
+
+    ``state`` is the tensor-parallel group; ``dcp`` the decode-context-parallel subgroup of it.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        max_position: int,
+        state: ParallelState,
+        dcp: ParallelState | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, max_position, state, dcp)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, state)
+        if arch.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, vocab] float32
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors by Hugging Face name; returns the parameter names filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # tied checkpoints sometimes store both copies
+            for ckpt_part, ours, shard_id in _STACKED:
+                if f".{ckpt_part}." in name:
+                    target = name.replace(ckpt_part, ours)
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard_id)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise KeyError(f"unexpected checkpoint tensor {name!r}")
+                param = params[name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor)
+                loaded.add(name)
+        return loaded

@@ -1,0 +1,135 @@
+"""Batched sampling: penalties, greedy, temperature, min-p, top-k, top-p, seeds, logprobs.
+
+Order per row: raw log-probabilities (the reported logprobs) -> stop tokens masked while a
+request has fewer than ``min_tokens`` outputs -> repetition / presence / frequency penalties ->
+greedy argmax, or temperature -> min-p -> top-k -> top-p -> sample. Sampling is an exponential
+race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token), so a seeded request's draw depends only
+on its own generator, which gives it one noise row per sample whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def exponential_noise(
+    gen: torch.Generator | None, vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """One ``[vocab_size]`` row of Exp(1) noise drawn from ``gen``."""
+    return torch.empty(vocab_size, device=device).exponential_(generator=gen)
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per sampled row (N rows), already on the logits' device."""
+
+    temperature: torch.Tensor  # [N] float32; 0 = greedy
+    top_k: torch.Tensor  # [N] int64; <= 0 = off
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    generators: list[torch.Generator | None]  # [N]; None: the worker's shared generator
+    num_logprobs: list[int | None]  # [N]
+    repetition_penalty: torch.Tensor | None = None  # [N]; None when no row uses penalties
+    presence_penalty: torch.Tensor | None = None  # [N]
+    frequency_penalty: torch.Tensor | None = None  # [N]
+    prompt_tokens: torch.Tensor | None = None  # [N, Lp] int64, padded with vocab_size
+    output_tokens: torch.Tensor | None = None  # [N, Lo] int64, padded with vocab_size
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(row, token) pairs that may not be sampled this step: stop tokens before min_tokens."""
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled: torch.Tensor  # [N] int64
+    logprob_ids: torch.Tensor | None = None  # [N, 1 + k] int64: sampled, top-1..top-k
+    logprobs: torch.Tensor | None = None  # [N, 1 + k] float32
+
+
+def _token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    # tokens: [N, L] padded with vocab_size -> counts [N, vocab_size]
+    counts = torch.zeros(tokens.shape[0], vocab_size + 1, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition over prompt + output (divide positive logits, multiply negative ones);
+    presence and frequency subtract over output tokens only, as the OpenAI API defines them."""
+    if md.repetition_penalty is None or md.output_tokens is None or md.prompt_tokens is None:
+        return logits
+    v = logits.shape[1]
+    out_counts = _token_counts(md.output_tokens, v)  # [N, V]
+    seen = (_token_counts(md.prompt_tokens, v) > 0) | (out_counts > 0)
+    rep = md.repetition_penalty.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    assert md.frequency_penalty is not None and md.presence_penalty is not None
+    logits = logits - md.frequency_penalty.unsqueeze(1) * out_counts
+    return logits - md.presence_penalty.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
+
+
+def restrict_support(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """min-p, then top-k, then top-p; masked tokens get -inf. logits: [N, V], temperature-scaled."""
+    v = logits.shape[1]
+    if bool((md.min_p > 0).any()):
+        probs = logits.softmax(-1)
+        keep = probs >= md.min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    use_k = (md.top_k > 0) & (md.top_k < v)
+    use_p = md.top_p < 1.0
+    if not bool(use_k.any()) and not bool(use_p.any()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    rank = torch.arange(v, device=logits.device).unsqueeze(0)
+    k = torch.where(use_k, md.top_k, v).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
+    before = probs.cumsum(-1) - probs
+    top_p = torch.where(use_p, md.top_p, 2.0).unsqueeze(1)  # 2.0: never reached
+    sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        # logits: [N, V] float32
+        raw_logprobs = None
+        if any(n is not None for n in md.num_logprobs):
+            raw_logprobs = logits.log_softmax(-1)
+        if md.banned is not None:
+            logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits = apply_penalties(logits, md)
+        sampled = logits.argmax(-1)
+        if not md.all_greedy:
+            sampled = torch.where(md.temperature == 0, sampled, self._sample(logits, md))
+        out = SamplerOutput(sampled=sampled)
+        if raw_logprobs is not None:
+            k = max(n or 0 for n in md.num_logprobs)
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+            ids = sampled.unsqueeze(1)
+            out.logprob_ids = ids if top_ids is None else torch.cat([ids, top_ids], dim=1)
+            out.logprobs = raw_logprobs.gather(1, out.logprob_ids)
+        return out
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        n, v = logits.shape
+        temp = torch.where(md.temperature == 0, 1.0, md.temperature).unsqueeze(1)
+        probs = restrict_support(logits / temp, md).softmax(-1)
+        noise = torch.empty_like(probs)
+        seeded = [i for i, g in enumerate(md.generators) if g is not None]
+        if len(seeded) < n:
+            noise.exponential_(generator=self.generator)
+        for i in seeded:
+            noise[i] = exponential_noise(md.generators[i], v, logits.device)
+        return (probs / noise).argmax(-1)
