@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from pagedserve import __version__
+from pagedserve.controller.serve_cli import add_serve_parser, run_serve
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per output line")
 
+    add_serve_parser(sub)
+
     demo = sub.add_parser("demo-model", help="write the demo checkpoint to DIR")
     demo.add_argument("dir")
     return parser
@@ -69,9 +72,6 @@ def _generate(args: argparse.Namespace) -> int:
     from pagedserve.controller.llm import LLM
     from pagedserve.messages import SamplingParams
 
-    if args.model is None:
-        print("pagedserve: no --model given, using the built-in demo checkpoint "
-              "(random weights: the text is meaningless)", file=sys.stderr)
     prompts = args.prompt or ["Hello, my name is"]
     params = SamplingParams(
         n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -91,7 +91,12 @@ def _generate(args: argparse.Namespace) -> int:
                           f"({len(comp.token_ids)} tokens, {comp.finish_reason})")
                     print(comp.text)
         stats = llm.stats()
-    print(f"pagedserve: {stats}", file=sys.stderr)
+    print(
+        f"pagedserve: {stats['num_steps']} steps, "
+        f"{stats['time_execute_s']:.2f}s in the model, {stats['time_schedule_s']:.3f}s scheduling, "
+        f"{stats['num_preemptions']} preemptions",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -109,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "demo-model":
         return _demo_model(args)
     parser.print_help()

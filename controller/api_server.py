@@ -1,0 +1,199 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an ``EngineClient``.
+
+``build_app(client)`` makes the ASGI app (testable without a socket); ``serve(config, ...)``
+starts an engine and runs the app under uvicorn until interrupted. Routes:
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+server-sent-event streaming), ``GET /health`` and ``GET /metrics`` (Prometheus). With an API key
+every route but ``/health`` needs ``Authorization: Bearer <key>``. Every error answers with the
+OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from pagedserve.config import EngineConfig
+from pagedserve.controller.client import EngineClient
+from pagedserve.controller.metrics import ServerMetrics
+from pagedserve.controller.openai_handlers import Endpoint, prepare_chat, prepare_completion
+from pagedserve.controller.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pagedserve.controller.openai_serving import APIError, ClientGone, EngineRun, ServerContext
+
+__all__ = ["build_app", "serve"]
+
+logger = logging.getLogger(__name__)
+
+UNPROTECTED_PATHS = frozenset({"/health"})
+
+
+class _EngineStream(StreamingResponse):
+    """A server-sent-event stream that aborts its engine requests however it ends.
+
+    Starlette cancels the body when the client disconnects; the ``finally`` then aborts the
+    requests still running, so their KV blocks are freed at once.
+    """
+
+    def __init__(self, content: Any, run: EngineRun) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._run.abort()
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('msg', '')}", None
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg', 'invalid value')}{more}", param
+
+
+def build_app(client: EngineClient, *, api_key: str | None = None) -> FastAPI:
+    """The ASGI app serving ``client``. Metrics live in a registry owned by this app."""
+    app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
+    metrics = ServerMetrics(client)
+    ctx = ServerContext(client, metrics)
+    app.state.client = client
+    app.state.metrics = metrics
+    app.state.context = ctx
+
+    # ------------------------------------------------------------------------- errors
+    @app.exception_handler(APIError)
+    async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _on_crash(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request")
+        return _error(APIError(500, f"internal server error: {exc!r}", type="server_error"))
+
+    # ----------------------------------------------------------------------- auth
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _check_key(
+            request: Request, call_next: Callable[[Request], Awaitable[Response]]
+        ) -> Response:
+            if request.url.path not in UNPROTECTED_PATHS:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return _error(APIError(
+                        401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key",
+                    ))
+            return await call_next(request)
+
+    # ----------------------------------------------------------------------- routes
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            healthy = client.is_healthy()
+        except Exception:
+            healthy = False
+        return Response(status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        # stats() of a remote engine is a round trip: keep it off the event loop.
+        body = await asyncio.to_thread(metrics.render)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(
+            id=client.model_name, root=client.model_name, max_model_len=client.max_model_len
+        )
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await _answer(await prepare_completion(ctx, body), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await _answer(await prepare_chat(ctx, body), raw)
+
+    return app
+
+
+async def _answer(endpoint: Endpoint, raw: Request) -> Response:
+    if endpoint.stream:
+        return _EngineStream(endpoint.stream_events(), endpoint.run)
+    try:
+        body = await endpoint.respond(raw.is_disconnected)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        endpoint.run.abort()  # a no-op when everything finished
+    return JSONResponse(body)
+
+
+def serve(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    *,
+    backend: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Start an engine for ``config`` and serve it until interrupted, then shut it down.
+
+    ``backend`` (``ray`` / ``local``) goes to ``launch.start_engine``; None takes its default.
+    """
+    import uvicorn
+
+    from pagedserve.controller.launch import start_engine
+
+    client = start_engine(config) if backend is None else start_engine(config, backend)
+    try:
+        app = build_app(client, api_key=api_key)
+        logger.info("serving %s on http://%s:%d", client.model_name, host, port)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        client.shutdown()

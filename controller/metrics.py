@@ -1,0 +1,135 @@
+"""Prometheus metrics of one API server, in a registry of its own.
+
+Engine-side numbers (running and waiting requests, KV usage, prefix-cache queries and hits,
+preemptions) are read from ``EngineClient.stats()`` at scrape time by a custom collector, so
+they are never stale and need no polling thread. Server-side numbers (token counters, request
+outcomes, latency histograms) are recorded as requests progress.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedserve.controller.client import EngineClient
+
+__all__ = ["PREFIX", "ServerMetrics"]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pagedserve_"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+# stats() key -> (metric name without prefix, help, kind)
+_ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("num_running", "num_requests_running", "Requests being computed in the batch.", "gauge"),
+    ("num_waiting", "num_requests_waiting", "Requests waiting to be scheduled.", "gauge"),
+    ("kv_usage", "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "gauge"),
+    ("kv_blocks_used", "kv_cache_blocks_used", "KV-cache blocks in use.", "gauge"),
+    ("kv_blocks_total", "kv_cache_blocks_total", "KV-cache blocks in the pool.", "gauge"),
+    ("prefix_cache_queries", "prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache.", "counter"),
+    ("prefix_cache_hits", "prefix_cache_hits",
+     "Prompt tokens found in the prefix cache.", "counter"),
+    ("num_preemptions", "num_preemptions", "Requests preempted by recompute.", "counter"),
+    ("num_steps", "engine_steps", "Engine steps run.", "counter"),
+)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters when Prometheus scrapes."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats: dict[str, Any] = self._client.stats()
+        except Exception:  # a dead remote engine must not break /metrics
+            logger.warning("engine stats unavailable", exc_info=True)
+            stats = {}
+        healthy = GaugeMetricFamily(PREFIX + "engine_healthy", "1 if the engine is serving.")
+        try:
+            healthy.add_metric([], 1.0 if self._client.is_healthy() else 0.0)
+        except Exception:
+            healthy.add_metric([], 0.0)
+        yield healthy
+        for key, name, doc, kind in _ENGINE_METRICS:
+            value = stats.get(key)
+            if value is None:
+                continue
+            family: Metric
+            if kind == "counter":
+                family = CounterMetricFamily(PREFIX + name, doc)
+            else:
+                family = GaugeMetricFamily(PREFIX + name, doc)
+            family.add_metric([], float(value))
+            yield family
+
+
+class ServerMetrics:
+    """Every metric of one app, registered in a private ``CollectorRegistry``."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(client))
+        r = self.registry
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", registry=r
+        )
+        self.requests = Counter(
+            PREFIX + "request_success",
+            "Finished requests, by finish reason (stop, length, abort, error).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time between generated tokens, per request.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record_finished(
+        self,
+        finish_reasons: list[str | None],
+        arrival: float,
+        first_token: float | None,
+        end: float,
+        max_output_tokens: int,
+    ) -> None:
+        """One engine request is done: count its outcome and observe its latencies."""
+        for reason in finish_reasons:
+            self.requests.labels(finished_reason=reason or "abort").inc()
+        self.e2e.observe(max(0.0, end - arrival))
+        if first_token is not None and max_output_tokens > 1:
+            self.tpot.observe(max(0.0, (end - first_token) / (max_output_tokens - 1)))

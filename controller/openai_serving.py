@@ -1,0 +1,266 @@
+"""The engine side of one HTTP request: submit, gather outputs on the event loop, abort.
+
+``EngineRun`` owns the engine requests of one API call (one per prompt of a batch). Each
+request's sink runs on the engine thread and only hands the cumulative ``RequestOutput`` to the
+event loop; there the run keeps the latest output per request, feeds the metrics, and wakes
+whoever is waiting. Streaming code reads ``latest`` and computes deltas itself, so outputs that
+pile up while a slow client reads are coalesced instead of queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from pagedserve.controller.client import EngineClient, EngineDeadError
+from pagedserve.controller.errors import (
+    EmptyPromptError,
+    InvalidTokenError,
+    PromptTooLongError,
+    RequestError,
+    RequestTooLargeError,
+)
+from pagedserve.controller.metrics import ServerMetrics
+from pagedserve.messages import RequestOutput, SamplingParams
+
+__all__ = ["APIError", "ClientGone", "EngineRun", "Prompt", "ServerContext", "token_text"]
+
+# Threads that wait in ``add_request`` (it returns once the engine has validated the request,
+# up to one engine step later); enough that a burst of arrivals is admitted in one step.
+SUBMIT_THREADS = 64
+
+# Logprobs of -inf cannot travel in JSON.
+_MIN_LOGPROB = -9999.0
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def engine_unavailable(reason: str = "the engine is not running") -> APIError:
+    return APIError(503, reason, type="service_unavailable_error", code="engine_unavailable")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+@dataclass
+class ServerContext:
+    """What the handlers of one app share."""
+
+    client: EngineClient
+    metrics: ServerMetrics
+    submit_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(SUBMIT_THREADS, "pagedserve-submit")
+    )
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class _Sub:
+    request_id: str
+    prompt: Prompt
+    latest: RequestOutput | None = None
+    submitted: bool = False
+    done: bool = False
+    first_token_time: float | None = None
+    counted_tokens: int = 0
+
+
+class EngineRun:
+    """The engine requests behind one API call, sharing one set of sampling parameters."""
+
+    def __init__(
+        self,
+        ctx: ServerContext,
+        base_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> None:
+        self.client = ctx.client
+        self.metrics = ctx.metrics
+        self._pool = ctx.submit_pool
+        self.params = params
+        self.cache_salt = cache_salt
+        self.arrival = time.monotonic()
+        ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+        self.subs = [_Sub(rid, p) for rid, p in zip(ids, prompts, strict=True)]
+        self._wake = asyncio.Event()
+
+    # ----------------------------------------------------------------------- submission
+    async def start(self) -> None:
+        """Add every request; on any refusal abort those already added and raise."""
+        loop = asyncio.get_running_loop()
+        try:
+            for i, sub in enumerate(self.subs):
+                sub.submitted = True  # before the call: aborting an unknown id is harmless
+                # add_request may wait for the engine thread; keep the event loop free.
+                add = partial(
+                    self.client.add_request,
+                    sub.request_id,
+                    sub.prompt.token_ids,
+                    self.params,
+                    partial(self._from_engine, loop, i),
+                    prompt=sub.prompt.text,
+                    cache_salt=self.cache_salt,
+                )
+                await loop.run_in_executor(self._pool, add)
+                self.metrics.prompt_tokens.inc(len(sub.prompt.token_ids))
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Abort every request not yet finished (the client went away, or a sibling failed)."""
+        for sub in self.subs:
+            if sub.submitted and not sub.done:
+                sub.done = True
+                try:
+                    self.client.abort_request(sub.request_id)
+                except Exception:  # the engine may be gone already; nothing left to free
+                    pass
+
+    # --------------------------------------------------------------------------- outputs
+    def _from_engine(self, loop: asyncio.AbstractEventLoop, index: int, out: RequestOutput) -> None:
+        """The sink: runs on the engine thread, so only hop onto the loop."""
+        loop.call_soon_threadsafe(self._on_output, index, out)
+
+    def _on_output(self, index: int, out: RequestOutput) -> None:
+        sub = self.subs[index]
+        if sub.latest is not None and sub.latest.finished:
+            return
+        now = time.monotonic()
+        ntok = sum(len(c.token_ids) for c in out.outputs)
+        if ntok > sub.counted_tokens:
+            self.metrics.generation_tokens.inc(ntok - sub.counted_tokens)
+            sub.counted_tokens = ntok
+        if sub.first_token_time is None and ntok > 0:
+            sub.first_token_time = now
+            self.metrics.ttft.observe(now - self.arrival)
+        if out.finished:
+            self.metrics.record_finished(
+                [c.finish_reason for c in out.outputs],
+                self.arrival,
+                sub.first_token_time,
+                now,
+                max((len(c.token_ids) for c in out.outputs), default=0),
+            )
+        sub.latest = out
+        if out.finished:
+            sub.done = True
+        self._wake.set()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.latest is not None and s.latest.finished for s in self.subs)
+
+    async def updates(
+        self, is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> AsyncIterator[None]:
+        """Yield each time some request progressed, until all have finished.
+
+        With ``is_disconnected``, poll it while waiting and raise ``ClientGone`` (after aborting)
+        when the client left; streaming responses detect that on their own.
+        """
+        while not self.finished:
+            if is_disconnected is None:
+                await self._wake.wait()
+            else:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await is_disconnected():
+                        self.abort()
+                        raise ClientGone() from None
+                    continue
+            self._wake.clear()
+            self.check_errors()
+            yield
+
+    def check_errors(self) -> None:
+        for sub in self.subs:
+            out = sub.latest
+            if out is not None and out.error is not None:
+                self.abort()
+                healthy = False
+                try:
+                    healthy = self.client.is_healthy()
+                except Exception:
+                    pass
+                if not healthy:
+                    raise engine_unavailable(f"the engine failed: {out.error}")
+                raise APIError(500, f"the request failed: {out.error}", type="server_error")
+
+    async def wait(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        async for _ in self.updates(is_disconnected):
+            pass
+
+
+def submit_error(exc: BaseException, prompt_param: str) -> APIError:
+    """Translate what ``add_request`` raised into the API's error."""
+    if isinstance(exc, EngineDeadError):
+        return engine_unavailable(f"the engine is not running: {exc}")
+    if isinstance(exc, RequestError):
+        param: str | None = None
+        if isinstance(exc, (EmptyPromptError, InvalidTokenError, PromptTooLongError)):
+            param = prompt_param
+        elif isinstance(exc, RequestTooLargeError):
+            param = "max_tokens"
+        return APIError(400, str(exc), param=param, code=type(exc).__name__)
+    return APIError(400, str(exc))
+
+
+def token_text(client: EngineClient, token_id: int) -> str:
+    tok = client.tokenizer
+    if tok is None:
+        return f"token_id:{token_id}"
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def top_entries(entry: dict[int, float], num: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """(sampled id, its logprob, the ``num`` most likely alternatives) of one position.
+
+    The engine's dict holds the sampled token first, then the top candidates."""
+    sampled = next(iter(entry))
+    top = sorted(entry.items(), key=lambda kv: -kv[1])[:num]
+    return sampled, max(entry[sampled], _MIN_LOGPROB), [
+        (t, max(lp, _MIN_LOGPROB)) for t, lp in top
+    ]
