@@ -1,0 +1,627 @@
+"""The batch generate job: ``pagedserve generate --input in.jsonl --output out.jsonl``.
+
+Each input line is one request: ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat,
+rendered through the tokenizer's chat template), an optional ``id`` (the 1-based line number
+otherwise) and optional sampling fields overriding the command-line defaults. Every line gets
+exactly one output record, appended and flushed the moment it is known, so a job that dies
+loses nothing: rerunning it with the same output file skips every id already written (a
+truncated last record is cut off first) and does only the rest.
+
+A line that cannot be served (bad JSON, no prompt, an invalid sampling value, a prompt that is
+too long or has out-of-vocabulary ids) becomes an error record carrying its line number; the
+job goes on. The exit status is the number of failed lines (capped at 125), 0 when none failed.
+Requests the engine could not finish because it died are *not* written, so a rerun retries them.
+
+The job talks to the engine only through ``EngineClient``; ``--address`` is handed to
+``start_engine`` (None: an in-process engine, ``auto``: attach to a running Ray cluster).
+Without ``--input`` the command keeps its plain form: ``--prompt`` texts printed to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from pagedserve.controller.client import EngineClient, EngineDeadError
+from pagedserve.controller.engine_args import add_engine_arguments, engine_options
+from pagedserve.controller.tokenizer import Tokenizer
+from pagedserve.messages import RequestOutput, SamplingParams, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "JobSummary",
+    "LineError",
+    "add_generate_arguments",
+    "run_generate_job",
+    "run_job",
+]
+
+# Per-line sampling fields (a subset of ``SamplingParams``) and the other keys a line may carry.
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "ignore_eos",
+    "min_tokens", "min_p", "stop_token_ids", "repetition_penalty", "presence_penalty",
+    "frequency_penalty",
+)
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
+OTHER_FIELDS = ("id", "cache_salt", "metadata")
+MAX_EXIT_STATUS = 125  # 126 and up mean "not executable" / "killed by a signal" to shells
+
+
+class LineError(ValueError):
+    """This input line cannot become a request; the message says why."""
+
+
+@dataclass(slots=True)
+class JobSummary:
+    """What a ``run_job`` call did."""
+
+    total: int = 0
+    """Request lines in the input (blank lines are not requests)."""
+    skipped: int = 0
+    """Lines whose id the output file already held (done by an earlier run)."""
+    succeeded: int = 0
+    failed: int = 0
+    """Lines written as error records by this run."""
+    not_done: int = 0
+    """Lines left for a rerun because the engine died or the job was interrupted."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    elapsed_s: float = 0.0
+    engine_error: str | None = None
+    interrupted: bool = False
+    failed_lines: list[int] = field(default_factory=list)
+    """Input line numbers of the failed lines (the first 1000)."""
+
+    @property
+    def exit_status(self) -> int:
+        if self.interrupted:
+            return 130
+        bad = self.failed + self.not_done
+        return min(bad, MAX_EXIT_STATUS)
+
+    def describe(self) -> str:
+        parts = [
+            f"{self.succeeded} succeeded", f"{self.failed} failed",
+            f"{self.skipped} already done",
+        ]
+        if self.not_done:
+            parts.append(f"{self.not_done} not done (rerun the same command to finish them)")
+        rate = self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return (f"{self.total} requests: " + ", ".join(parts)
+                + f"; {self.completion_tokens} tokens generated in {self.elapsed_s:.1f}s "
+                f"({rate:.1f} tok/s)")
+
+
+# ---------------------------------------------------------------------------------- arguments
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``generate`` options (job, sampling defaults, engine) to ``parser``."""
+    job = parser.add_argument_group("batch job")
+    job.add_argument("--input", default=None, metavar="IN.jsonl",
+                     help="JSONL requests, one per line (prompt | prompt_token_ids | messages)")
+    job.add_argument("--output", default=None, metavar="OUT.jsonl",
+                     help="JSONL results, appended as requests finish; rerunning with the same "
+                          "file skips the ids it already holds")
+    job.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                     help="requests submitted and not yet finished (default: 2 x max-num-seqs)")
+    job.add_argument("--progress", choices=["auto", "bar", "log", "none"], default="auto",
+                     help="a tqdm bar on a terminal, log lines otherwise (default: auto)")
+    job.add_argument("--prompt", action="append", default=[],
+                     help="a prompt (repeatable); used when there is no --input")
+    job.add_argument("--json", action="store_true",
+                     help="without --input: one JSON object per completion on stdout")
+
+    samp = parser.add_argument_group("sampling defaults (an input line's own fields win)")
+    samp.add_argument("--max-tokens", type=int, default=32)
+    samp.add_argument("--temperature", type=float, default=0.0)
+    samp.add_argument("--top-p", type=float, default=1.0)
+    samp.add_argument("--top-k", type=int, default=0)
+    samp.add_argument("--n", type=int, default=1, help="completions per prompt")
+    samp.add_argument("--seed", type=int, default=None)
+    samp.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                      help="a stop string (repeatable)")
+    samp.add_argument("--ignore-eos", action="store_true")
+
+    add_engine_arguments(parser)
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line's sampling options as ``SamplingParams`` keyword arguments."""
+    out: dict[str, Any] = {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "n": args.n, "seed": args.seed, "ignore_eos": args.ignore_eos,
+    }
+    if args.stop:
+        out["stop"] = list(args.stop)
+    return out
+
+
+# ---------------------------------------------------------------------------------- the job
+@dataclass(slots=True)
+class _Item:
+    """One parsed input line, ready to submit."""
+
+    line: int
+    id: Any
+    key: str
+    token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    cache_salt: str | None
+    metadata: Any
+
+
+def id_key(value: Any) -> str:
+    """How ids are compared across runs: 3 and "3" stay different."""
+    return json.dumps(value, sort_keys=True)
+
+
+def _scan_output(path: str) -> set[str]:
+    """Ids already written to ``path``; a truncated last record is cut off the file."""
+    done: set[str] = set()
+    if not os.path.exists(path):
+        return done
+    good_end = 0
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        end = len(data) if nl < 0 else nl + 1
+        raw = data[pos:end]
+        try:
+            rec = json.loads(raw)
+            if not isinstance(rec, dict) or "id" not in rec:
+                raise ValueError("not a record")
+        except ValueError:
+            if nl < 0:  # the last line, cut short by a kill: drop it, its request is redone
+                logger.warning("%s: dropping a truncated last record (%d bytes)", path, len(raw))
+                break
+            logger.warning("%s: ignoring an unreadable record at byte %d", path, pos)
+        else:
+            done.add(id_key(rec["id"]))
+        good_end = end
+        pos = end
+    if good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    elif data and not data.endswith(b"\n"):
+        with open(path, "ab") as f:  # a complete record missing only its newline
+            f.write(b"\n")
+    return done
+
+
+def _read_lines(path: str) -> Iterator[tuple[int, str]]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, text in enumerate(f, start=1):
+            if text.strip():
+                yield lineno, text
+
+
+def _count_lines(path: str) -> int:
+    return sum(1 for _ in _read_lines(path))
+
+
+def _line_id(lineno: int, obj: Any) -> Any:
+    if isinstance(obj, dict) and "id" in obj:
+        rid = obj["id"]
+        if isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool)):
+            return rid
+    return lineno
+
+
+def _encode_prompt(
+    obj: dict[str, Any], tokenizer: Tokenizer | None
+) -> tuple[list[int], str | None]:
+    given = [k for k in PROMPT_FIELDS if k in obj]
+    if len(given) != 1:
+        what = "none" if not given else ", ".join(given)
+        raise LineError(f"exactly one of prompt, prompt_token_ids, messages is needed (got {what})")
+    kind = given[0]
+    value = obj[kind]
+    if kind == "prompt_token_ids":
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        ):
+            raise LineError("prompt_token_ids must be a list of integers")
+        return list(value), None
+    if tokenizer is None:
+        raise LineError(f"{kind} needs a tokenizer and the model has none; use prompt_token_ids")
+    if kind == "prompt":
+        if not isinstance(value, str):
+            raise LineError("prompt must be a string")
+        return tokenizer.encode(value), value
+    if not isinstance(value, list) or not value or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    ):
+        raise LineError("messages must be a non-empty list of {role, content} string objects")
+    try:
+        text = tokenizer.hf.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # no template, or a template that rejects these messages
+        raise LineError(f"cannot apply the chat template: {exc}") from exc
+    # The template writes its own special tokens (BOS); adding them again would double them.
+    return list(tokenizer.hf.encode(text, add_special_tokens=False)), None
+
+
+def parse_line(
+    lineno: int, text: str, defaults: dict[str, Any], tokenizer: Tokenizer | None
+) -> _Item:
+    """Turn one input line into a request, or raise ``LineError``."""
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise LineError(f"invalid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise LineError("a line must be a JSON object")
+    unknown = sorted(set(obj) - set(SAMPLING_FIELDS) - set(PROMPT_FIELDS) - set(OTHER_FIELDS))
+    if unknown:
+        raise LineError(f"unknown field(s): {', '.join(unknown)}")
+    rid = obj.get("id", lineno)
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise LineError("id must be a string or an integer")
+    salt = obj.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise LineError("cache_salt must be a string")
+    token_ids, prompt = _encode_prompt(obj, tokenizer)
+    options = {**defaults, **{k: obj[k] for k in SAMPLING_FIELDS if k in obj}}
+    try:
+        params = SamplingParams(**options)
+    except SamplingParamsError as exc:
+        raise LineError(f"invalid sampling parameter {exc}") from exc
+    except TypeError as exc:
+        raise LineError(f"invalid sampling parameters: {exc}") from exc
+    return _Item(lineno, rid, id_key(rid), token_ids, params, prompt, salt, obj.get("metadata"))
+
+
+def result_record(item: _Item, out: RequestOutput) -> dict[str, Any]:
+    """The output record of a finished request."""
+    comps = sorted(out.outputs, key=lambda c: c.index)
+    completion_tokens = sum(len(c.token_ids) for c in comps)
+    rec: dict[str, Any] = {"id": item.id, "line": item.line}
+    if item.prompt is not None:
+        rec["prompt"] = item.prompt
+    first = comps[0]
+    rec.update(text=first.text, token_ids=list(first.token_ids), finish_reason=first.finish_reason)
+    if len(comps) > 1:
+        rec["choices"] = [
+            {"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+             "finish_reason": c.finish_reason}
+            for c in comps
+        ]
+    rec["usage"] = {
+        "prompt_tokens": len(item.token_ids),
+        "completion_tokens": completion_tokens,
+        "total_tokens": len(item.token_ids) + completion_tokens,
+        "cached_tokens": out.num_cached_tokens,
+    }
+    if item.metadata is not None:
+        rec["metadata"] = item.metadata
+    return rec
+
+
+def error_record(lineno: int, rid: Any, exc: BaseException, metadata: Any = None) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "id": rid, "line": lineno, "error": str(exc), "error_type": type(exc).__name__,
+    }
+    if metadata is not None:
+        rec["metadata"] = metadata
+    return rec
+
+
+class _Progress:
+    """A tqdm bar on a terminal, a log line every ``log_every_s`` otherwise, or nothing."""
+
+    def __init__(self, mode: str, total: int, client: EngineClient, log_every_s: float) -> None:
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "log"
+        self.mode = mode
+        self.total = total
+        self.client = client
+        self.log_every_s = log_every_s
+        self.start = time.monotonic()
+        self._last_stats = 0.0
+        self._last_log = self.start
+        self._kv = 0.0
+        self.bar: Any = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
+
+    def _kv_usage(self, now: float) -> float:
+        if now - self._last_stats >= 0.5:  # a remote client's stats() may be an RPC
+            self._last_stats = now
+            try:
+                self._kv = float(self.client.stats().get("kv_usage", 0.0))
+            except Exception:
+                pass
+        return self._kv
+
+    def update(self, done: int, failed: int, tokens: int, new: int, force: bool = False) -> None:
+        if self.mode == "none":
+            return
+        now = time.monotonic()
+        elapsed = max(now - self.start, 1e-9)
+        if self.bar is not None:
+            if new:
+                self.bar.update(new)
+            if new or force:
+                self.bar.set_postfix(
+                    tok_s=f"{tokens / elapsed:.1f}", kv=f"{self._kv_usage(now):.0%}",
+                    failed=failed, refresh=False,
+                )
+            return
+        if force or now - self._last_log >= self.log_every_s:
+            self._last_log = now
+            print(f"pagedserve generate: {done}/{self.total} done ({failed} failed), "
+                  f"{tokens / elapsed:.1f} tok/s, kv {self._kv_usage(now):.0%}",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Writer:
+    def __init__(self, f: IO[str]) -> None:
+        self.f = f
+
+    def write(self, rec: dict[str, Any]) -> None:
+        # One write per record, flushed at once: a kill leaves at most one partial last line.
+        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.f.flush()
+
+
+def run_job(
+    client: EngineClient,
+    input_path: str,
+    output_path: str,
+    defaults: dict[str, Any],
+    *,
+    max_in_flight: int = 256,
+    progress: str | bool = "auto",
+    log_every_s: float = 10.0,
+) -> JobSummary:
+    """Run every request of ``input_path`` not yet in ``output_path`` through ``client``.
+
+    ``defaults`` are ``SamplingParams`` keyword arguments that a line's own fields override.
+    ``progress``: ``auto`` | ``bar`` | ``log`` | ``none`` (True/False mean auto/none).
+    """
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    mode = {True: "auto", False: "none"}.get(progress, progress)  # type: ignore[call-overload]
+    summary = JobSummary()
+    start = time.monotonic()
+    done_keys = _scan_output(output_path)
+    summary.total = _count_lines(input_path)
+    seen: dict[str, int] = {}
+    finished: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+    in_flight: dict[str, _Item] = {}
+    bar = _Progress(mode, summary.total, client, log_every_s)
+    counted = 0
+
+    def tick(force: bool = False) -> None:
+        nonlocal counted
+        finished_now = summary.succeeded + summary.failed + summary.skipped
+        bar.update(finished_now, summary.failed, summary.completion_tokens,
+                   finished_now - counted, force)
+        counted = finished_now
+
+    def sink(out: RequestOutput) -> None:
+        if out.finished:
+            finished.put(out)
+
+    def fail(writer: _Writer, lineno: int, rid: Any, exc: BaseException, meta: Any = None) -> None:
+        writer.write(error_record(lineno, rid, exc, meta))
+        summary.failed += 1
+        if len(summary.failed_lines) < 1000:
+            summary.failed_lines.append(lineno)
+        tick()
+
+    def collect(writer: _Writer, block: bool) -> None:
+        """Write the outputs that have finished; with ``block``, wait for at least one."""
+        while in_flight:
+            try:
+                out = finished.get(timeout=0.5) if block else finished.get_nowait()
+            except queue.Empty:
+                if block:
+                    if not client.is_healthy():
+                        raise EngineDeadError("the engine is no longer healthy") from None
+                    tick()
+                    continue
+                return
+            block = False
+            item = in_flight.pop(out.request_id, None)
+            if item is None:
+                continue
+            if out.error is not None:
+                if not client.is_healthy():  # the engine died: leave it for a rerun
+                    in_flight[out.request_id] = item
+                    raise EngineDeadError(out.error)
+                fail(writer, item.line, item.id, RuntimeError(out.error), item.metadata)
+                continue
+            rec = result_record(item, out)
+            writer.write(rec)
+            summary.succeeded += 1
+            summary.prompt_tokens += rec["usage"]["prompt_tokens"]
+            summary.completion_tokens += rec["usage"]["completion_tokens"]
+            tick()
+
+    tokenizer = client.tokenizer
+    with open(output_path, "a", encoding="utf-8") as f:
+        writer = _Writer(f)
+        lines = _read_lines(input_path)
+        try:
+            for lineno, text in lines:
+                try:
+                    obj: Any = json.loads(text)
+                except ValueError:
+                    obj = None
+                rid = _line_id(lineno, obj)
+                key = id_key(rid)
+                if key in done_keys:
+                    summary.skipped += 1
+                    continue
+                if key in seen:
+                    fail(writer, lineno, rid,
+                         LineError(f"duplicate id {rid!r} (first on line {seen[key]})"))
+                    continue
+                seen[key] = lineno
+                try:
+                    item = parse_line(lineno, text, defaults, tokenizer)
+                except LineError as exc:
+                    meta = obj.get("metadata") if isinstance(obj, dict) else None
+                    fail(writer, lineno, rid, exc, meta)
+                    continue
+                while len(in_flight) >= max_in_flight:
+                    collect(writer, block=True)
+                request_id = f"job-{lineno}"
+                try:
+                    in_flight[request_id] = item
+                    client.add_request(request_id, item.token_ids, item.params, sink,
+                                       prompt=item.prompt, cache_salt=item.cache_salt)
+                except EngineDeadError:
+                    in_flight.pop(request_id, None)
+                    raise
+                except ValueError as exc:  # RequestError: too long, bad ids, too large, ...
+                    in_flight.pop(request_id, None)
+                    fail(writer, lineno, item.id, exc, item.metadata)
+                    continue
+                collect(writer, block=False)
+            while in_flight:
+                collect(writer, block=True)
+        except EngineDeadError as exc:
+            summary.engine_error = str(exc)
+            summary.not_done = summary.total - summary.skipped - summary.succeeded - summary.failed
+            logger.error("the engine died: %s", exc)
+        except KeyboardInterrupt:
+            summary.interrupted = True
+            summary.not_done = summary.total - summary.skipped - summary.succeeded - summary.failed
+            for request_id in in_flight:
+                try:
+                    client.abort_request(request_id)
+                except Exception:
+                    pass
+        finally:
+            summary.elapsed_s = time.monotonic() - start
+            tick(force=True)
+            bar.close()
+    return summary
+
+
+# ---------------------------------------------------------------------------------- the command
+def _start_client(args: argparse.Namespace) -> EngineClient:
+    from pagedserve.config import from_flat
+    from pagedserve.controller.launch import resolve_model_dir, start_engine
+
+    model_dir = resolve_model_dir(getattr(args, "model", None))
+    return start_engine(from_flat(model=model_dir, **engine_options(args)), args.backend)
+
+
+def _generate_prompts(client: EngineClient, args: argparse.Namespace) -> int:
+    """The plain form: each ``--prompt`` through the engine, completions printed to stdout."""
+    params = SamplingParams(**sampling_defaults(args))
+    prompts: list[str] = args.prompt or ["Hello, my name is"]
+    if client.tokenizer is None:
+        print("pagedserve: the model has no tokenizer; use --input with prompt_token_ids",
+              file=sys.stderr)
+        return 2
+    results: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+    sink: Callable[[RequestOutput], None] = lambda out: results.put(out) if out.finished else None
+    for i, text in enumerate(prompts):
+        client.add_request(f"prompt-{i}", client.tokenizer.encode(text), params, sink, prompt=text)
+    outs: dict[str, RequestOutput] = {}
+    while len(outs) < len(prompts):
+        try:
+            out = results.get(timeout=1.0)
+        except queue.Empty:
+            if not client.is_healthy():
+                raise EngineDeadError("the engine stopped before finishing the prompts") from None
+            continue
+        outs[out.request_id] = out
+    status = 0
+    for i, text in enumerate(prompts):
+        out = outs[f"prompt-{i}"]
+        if out.error is not None:
+            print(f"pagedserve: prompt {i} failed: {out.error}", file=sys.stderr)
+            status = 1
+            continue
+        for comp in out.outputs:
+            if args.json:
+                print(json.dumps({
+                    "prompt": text, "index": comp.index, "text": comp.text,
+                    "token_ids": comp.token_ids, "finish_reason": comp.finish_reason,
+                }))
+            else:
+                print(f"--- prompt: {text!r} [{comp.index}] "
+                      f"({len(comp.token_ids)} tokens, {comp.finish_reason})")
+                print(comp.text)
+    stats = client.stats()
+    print(
+        f"pagedserve: {stats.get('num_steps', 0)} steps, "
+        f"{stats.get('time_execute_s', 0.0):.2f}s in the model, "
+        f"{stats.get('time_schedule_s', 0.0):.3f}s scheduling, "
+        f"{stats.get('num_preemptions', 0)} preemptions",
+        file=sys.stderr,
+    )
+    return status
+
+
+def run_generate_job(args: argparse.Namespace) -> int:
+    """``pagedserve generate``: the batch job with ``--input``, the plain form without it."""
+    if args.input is not None and args.output is None:
+        print("pagedserve generate: --input needs --output", file=sys.stderr)
+        return 2
+    if args.input is not None and not os.path.isfile(args.input):
+        print(f"pagedserve generate: no such input file: {args.input}", file=sys.stderr)
+        return 2
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        print("pagedserve generate: --max-in-flight must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        defaults = sampling_defaults(args)
+        SamplingParams(**defaults)
+    except SamplingParamsError as exc:
+        print(f"pagedserve generate: invalid sampling option {exc}", file=sys.stderr)
+        return 2
+    client = _start_client(args)
+    try:
+        if args.input is None:
+            return _generate_prompts(client, args)
+        max_in_flight = args.max_in_flight or 2 * int(getattr(args, "max_num_seqs", 128) or 128)
+        summary = run_job(client, args.input, args.output, defaults,
+                          max_in_flight=max_in_flight, progress=args.progress)
+    finally:
+        client.shutdown()
+    print(f"pagedserve generate: {summary.describe()}", file=sys.stderr)
+    if summary.failed:
+        lines = ", ".join(map(str, summary.failed_lines[:20]))
+        more = " ..." if len(summary.failed_lines) > 20 else ""
+        print(f"pagedserve generate: {summary.failed} failed request(s), see the error records "
+              f"in {args.output} (input lines {lines}{more})", file=sys.stderr)
+    if summary.engine_error:
+        print(f"pagedserve generate: the engine died ({summary.engine_error}); "
+              f"{summary.not_done} request(s) not done, rerun the same command to finish them",
+              file=sys.stderr)
+    return summary.exit_status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedserve.controller.batch_job``: the same job without the CLI wrapper."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="pagedserve generate")
+    add_generate_arguments(parser)
+    return run_generate_job(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The engine options shared by every command (``generate``, ``serve``): one definition."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+DTYPES = ["auto", "float32", "float16", "bfloat16"]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """Add the engine options to a parser or an argument group."""
+    eng = parser.add_argument_group("engine") if hasattr(parser, "add_argument_group") else parser
+    eng.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    eng.add_argument("--dtype", default="auto", choices=DTYPES)
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    eng.add_argument("--num-gpu-blocks", type=int, default=None)
+    eng.add_argument("--no-prefix-caching", action="store_true")
+    eng.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    eng.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
+    eng.add_argument("--dp", type=int, default=1, help="data-parallel replicas (behind a router)")
+    eng.add_argument("--address", default=None,
+                     help="Ray cluster to attach to ('auto': the one this node belongs to); "
+                          "default: a fresh local Ray instance")
+    eng.add_argument("--backend", default=None, choices=["ray", "local"],
+                     help="ray (default; or $PAGEDSERVE_BACKEND) or local: the engine in this "
+                          "process, one rank, no Ray")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed engine options as ``config.from_flat`` keyword arguments (model aside)."""
+    return {
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "num_gpu_blocks": args.num_gpu_blocks,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "tensor_parallel_size": args.tp,
+        "decode_context_parallel_size": args.dcp,
+        "data_parallel_size": args.dp,
+        "ray_address": args.address,
+    }

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Start the Ray head of a pagedserve cluster on this machine.
+#
+#   deploy/scripts/start_head.sh                 # GCS on 6379, dashboard/job server on 8265
+#   NODE_IP=10.0.0.10 IFNAME=ens5 deploy/scripts/start_head.sh --num-gpus 8
+#
+# NODE_IP: the address other nodes reach this one on (default: the first address `hostname -I`
+#   prints; set it on hosts with several NICs). IFNAME: the NIC for NCCL/gloo traffic.
+# Extra arguments go to `ray start` unchanged.
+set -euo pipefail
+
+RAY_PORT="${RAY_PORT:-6379}"
+DASHBOARD_PORT="${DASHBOARD_PORT:-8265}"
+NODE_IP="${NODE_IP:-$(hostname -I | awk '{print $1}')}"
+
+if [[ -n "${IFNAME:-}" ]]; then
+    # Exported before `ray start`, so every worker process Ray spawns on this node inherits them.
+    export NCCL_SOCKET_IFNAME="$IFNAME" GLOO_SOCKET_IFNAME="$IFNAME"
+fi
+
+ulimit -n 65536 || true
+ray start --head \
+    --port="$RAY_PORT" \
+    --node-ip-address="$NODE_IP" \
+    --dashboard-host=0.0.0.0 \
+    --dashboard-port="$DASHBOARD_PORT" \
+    "$@"
+
+echo
+echo "head is up at ${NODE_IP}:${RAY_PORT} (dashboard and job server: http://${NODE_IP}:${DASHBOARD_PORT})"
+echo "on each worker:  HEAD=${NODE_IP} deploy/scripts/start_worker.sh"
+echo "then wait:       python deploy/scripts/wait_for_nodes.py --nodes N [--gpus G]"
