@@ -20,7 +20,7 @@ from pagedserve.controller.errors import (
     RequestTooLargeError,
     UnsupportedRequestError,
 )
-from pagedserve.controller.executor import Executor
+from pagedserve.controller.executor import Executor, WorkerGroupError
 from pagedserve.controller.request import Request, RequestStatus
 from pagedserve.controller.scheduler import Scheduler, StepHook
 from pagedserve.controller.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -118,9 +118,27 @@ class EngineCore:
         *,
         tokenizer: Tokenizer | None = None,
         eos_token_ids: Collection[int] | None = None,
+        max_restarts: int = 3,
+        restart_window_s: float = 600.0,
+        restart_backoff_s: float = 1.0,
+        restart_backoff_max_s: float = 30.0,
     ) -> None:
+        """Worker-group failures (``WorkerGroupError`` from the executor) fail the in-flight
+        requests and rebuild the group through ``executor.restart()``, waiting
+        ``restart_backoff_s`` doubled per recent failure (at most ``restart_backoff_max_s``);
+        after more than ``max_restarts`` failures within ``restart_window_s`` the engine is
+        dead (``healthy`` False, ``step`` raises ``EngineDeadError``)."""
         self.config = config
         self.executor = executor
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.restart_backoff_s = restart_backoff_s
+        self.restart_backoff_max_s = restart_backoff_max_s
+        self.last_failure: BaseException | None = None
+        self.num_restarts = 0
+        self._failure_times: list[float] = []
+        self._restart_at: float | None = None  # set while the group awaits its rebuild
+        self._dead: str | None = None
         report = executor.initialize()
         self.worker_report = report
         self.vocab_size = report.vocab_size
@@ -134,7 +152,8 @@ class EngineCore:
             )
             self.max_model_len = sched.max_num_batched_tokens
 
-        self.kv_layout, self.kv = self._plan_kv_cache(report)
+        self.kv_layout, self._kv_specs = self._plan_kv_cache(report)
+        self.kv = self._new_kv_manager()
         executor.init_kv_cache(self.kv_layout)
         self.hasher = BlockHasher(self.kv.block_size)
 
@@ -143,20 +162,14 @@ class EngineCore:
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
-        self.scheduler = Scheduler(
-            self.kv,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-            max_model_len=self.max_model_len,
-            eos_token_ids=eos_token_ids,
-            enable_chunked_prefill=sched.enable_chunked_prefill,
-        )
+        self._eos_token_ids = tuple(eos_token_ids)
+        self.scheduler = self._new_scheduler([])
         self._groups: dict[str, _Group] = {}
         self._time_schedule = 0.0
         self._time_execute = 0.0
 
-    def _plan_kv_cache(self, report: WorkerReport) -> tuple[KVCacheLayout, KVCacheManager]:
-        """Group the reported layer specs, size the pool, build the manager."""
+    def _plan_kv_cache(self, report: WorkerReport) -> tuple[KVCacheLayout, list[KVCacheSpec]]:
+        """Group the reported layer specs and size the pool."""
         cache = self.config.cache
         block_size = cache.block_size  # x dcp once decode context parallelism lands
         groups = kv_groups_from_report(report, block_size)
@@ -174,15 +187,31 @@ class EngineCore:
             block_size=block_size,
             groups=[[int(name) for name in g.layer_names] for g in groups],
         )
-        manager = KVCacheManager(
-            [g.spec for g in groups] or None,
-            num_blocks,
-            block_size,
+        return layout, [g.spec for g in groups]
+
+    def _new_kv_manager(self) -> KVCacheManager:
+        cache = self.config.cache
+        return KVCacheManager(
+            self._kv_specs or None,
+            self.kv_layout.num_blocks,
+            self.kv_layout.block_size,
             self.max_model_len,
             enable_caching=cache.enable_prefix_caching,
             policy=cache.allocation_policy,  # type: ignore[arg-type]
         )
-        return layout, manager
+
+    def _new_scheduler(self, step_hooks: list[StepHook]) -> Scheduler:
+        sched = self.config.scheduler
+        scheduler = Scheduler(
+            self.kv,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self._eos_token_ids,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+        )
+        scheduler.step_hooks = step_hooks
+        return scheduler
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -281,7 +310,19 @@ class EngineCore:
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and update once. Returns the cumulative output of every request
-        that got a token or finished this step."""
+        that got a token or finished this step.
+
+        When the worker group fails, every in-flight request finishes with ``finish_reason``
+        ``"error"`` and ``error`` naming the rank and node, and the group is rebuilt (by the
+        next call, after the backoff). Raises ``EngineDeadError`` once restarts are exhausted.
+        """
+        if self._dead is not None:
+            raise _engine_dead(self._dead)
+        failure = getattr(self.executor, "failure", None)
+        if failure is not None and self._restart_at is None:
+            return self._on_worker_failure(failure)  # found by the monitor between steps
+        if self._restart_at is not None and not self._restart():
+            return []
         if not self.scheduler.has_unfinished():
             return []
         t0 = time.perf_counter()
@@ -289,7 +330,10 @@ class EngineCore:
         if sched_out.total_num_scheduled_tokens == 0:
             return []
         t1 = time.perf_counter()
-        runner_out = self.executor.execute(sched_out)
+        try:
+            runner_out = self.executor.execute(sched_out)
+        except WorkerGroupError as exc:
+            return self._on_worker_failure(exc)
         t2 = time.perf_counter()
         progressed = self.scheduler.update_from_output(sched_out, runner_out)
         outputs: list[RequestOutput] = []
@@ -332,6 +376,75 @@ class EngineCore:
             num_cached_tokens=max(cached, 0),
         )
 
+    # ------------------------------------------------------------------- faults
+    @property
+    def healthy(self) -> bool:
+        """False once worker-group restarts are exhausted (the engine is dead)."""
+        return self._dead is None
+
+    def _on_worker_failure(self, exc: WorkerGroupError) -> list[RequestOutput]:
+        """Fail every request, reset the scheduler and KV state, schedule the group's rebuild
+        (or declare the engine dead). Returns the failed requests' final outputs."""
+        self.last_failure = exc
+        reason = str(exc)
+        outputs = []
+        for group in self._groups.values():
+            out = self._output(group)
+            for c in out.outputs:
+                if c.finish_reason is None:
+                    c.finish_reason = "error"
+            out.finished, out.error = True, reason
+            outputs.append(out)
+        self._groups.clear()
+        # The workers' batch state and KV contents are gone with them: start from nothing.
+        self.kv = self._new_kv_manager()
+        self.scheduler = self._new_scheduler(self.scheduler.step_hooks)
+        self._schedule_restart(reason)
+        return outputs
+
+    def _schedule_restart(self, reason: str) -> None:
+        """Count a failure; set the rebuild time (exponential backoff over the failures within
+        the window) or, past the cap, declare the engine dead."""
+        now = time.monotonic()
+        self._failure_times = [t for t in self._failure_times if now - t < self.restart_window_s]
+        self._failure_times.append(now)
+        recent = len(self._failure_times)
+        restartable = callable(getattr(self.executor, "restart", None))
+        if recent > self.max_restarts or not restartable:
+            self._dead = (
+                f"worker group failed {recent} times within {self.restart_window_s:.0f} s "
+                f"(at most {self.max_restarts} restarts); last failure: {reason}"
+                if restartable
+                else f"the worker failed and this executor cannot rebuild it: {reason}"
+            )
+            logger.error("engine is dead: %s", self._dead)
+            self._restart_at = None
+            self.executor.shutdown()
+            return
+        delay = min(self.restart_backoff_s * 2 ** (recent - 1), self.restart_backoff_max_s)
+        self._restart_at = now + delay
+        logger.warning("%s; rebuilding the worker group in %.1f s", reason, delay)
+
+    def _restart(self) -> bool:
+        """Rebuild the worker group once the backoff has passed (waiting for it, bounded by
+        ``restart_backoff_max_s``). True when the group is back."""
+        assert self._restart_at is not None
+        time.sleep(max(0.0, min(self._restart_at - time.monotonic(), self.restart_backoff_max_s)))
+        try:
+            report = self.executor.restart()  # type: ignore[attr-defined]
+            if report.vocab_size != self.vocab_size:
+                raise RuntimeError(f"rebuilt workers report vocab {report.vocab_size}")
+        except Exception as exc:
+            self.last_failure = exc
+            self._schedule_restart(f"restart failed: {exc}")
+            if self._dead is not None:
+                raise _engine_dead(self._dead) from exc
+            return False
+        self._restart_at = None
+        self.num_restarts += 1
+        logger.warning("worker group rebuilt (restart %d)", self.num_restarts)
+        return True
+
     # -------------------------------------------------------------------- misc
     def has_unfinished(self) -> bool:
         return bool(self._groups)
@@ -355,3 +468,10 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _engine_dead(reason: str) -> Exception:
+    # client.py imports this module, so its error class is looked up when first needed.
+    from pagedserve.controller.client import EngineDeadError
+
+    return EngineDeadError(reason)

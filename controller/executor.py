@@ -22,12 +22,40 @@ from pagedserve.messages import (
     encode,
 )
 
-__all__ = ["Executor", "LocalExecutor", "check_wire_default", "wire_roundtrip"]
+__all__ = [
+    "Executor",
+    "ExecutorError",
+    "LocalExecutor",
+    "WorkerGroupError",
+    "check_wire_default",
+    "create_executor",
+    "wire_roundtrip",
+]
 
 WORKER_MODULE = "pagedserve.workers.worker"
+RAY_EXECUTOR_MODULE = "pagedserve.controller.ray_executor"
 CHECK_WIRE_ENV = "PAGEDSERVE_CHECK_WIRE"
 
 T = TypeVar("T")
+
+
+class ExecutorError(RuntimeError):
+    """Base class of the executors' errors."""
+
+
+class WorkerGroupError(ExecutorError):
+    """The worker group failed as a whole: a rank died, reported an error or missed its step
+    deadline. Names the root-cause rank and its Ray node id (``rank`` -1 when no single rank is
+    to blame). The group is unusable until the executor's ``restart()`` rebuilt it."""
+
+    def __init__(self, rank: int, node_id: str, message: str) -> None:
+        super().__init__(f"worker group failed: rank {rank} on node {node_id}: {message}")
+        self.rank = rank
+        self.node_id = node_id
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.node_id, self.message))
 
 
 class Executor(Protocol):
@@ -47,6 +75,27 @@ class Executor(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+    # Optional, duck-typed (``RayExecutor`` has both; ``LocalExecutor`` neither):
+    # ``restart() -> WorkerReport`` tears the worker group down and rebuilds it with the same KV
+    # layout; ``failure -> WorkerGroupError | None`` is a failure its monitor found between steps.
+
+
+def create_executor(config: EngineConfig, *, backend: str = "ray", **options: Any) -> Executor:
+    """The executor for ``config``: ``"ray"`` (worker actors in a placement group; Ray must be
+    initialised, see ``ray_executor.ensure_ray``) or ``"local"`` (one in-process worker, only for
+    tensor_parallel_size 1). ``options`` go to the executor's constructor."""
+    if backend == "local":
+        tp = config.parallel.tensor_parallel_size
+        if tp != 1:
+            raise ValueError(f"the local executor runs one rank; tensor_parallel_size is {tp}")
+        return LocalExecutor(config, **options)
+    if backend == "ray":
+        executor: Executor = importlib.import_module(RAY_EXECUTOR_MODULE).RayExecutor(
+            config, **options
+        )
+        return executor
+    raise ValueError(f"unknown executor backend {backend!r}; use 'ray' or 'local'")
 
 
 def check_wire_default() -> bool:

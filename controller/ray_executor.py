@@ -1,0 +1,420 @@
+"""``RayExecutor``: the worker group as Ray actors in one placement group, one rank per bundle.
+
+Build (``initialize`` + ``init_kv_cache``, and again on ``restart``):
+
+1. A placement group of ``world_size`` bundles (``{"GPU": 1}`` on GPU clusters, ``{"CPU": 1}``
+   otherwise; PACK unless the config says STRICT_PACK / SPREAD), ready within
+   ``placement_timeout_s`` or removed with an error naming what the cluster lacks.
+2. Ranks from the placement table, the controller's node first (``placement.rank_order``); one
+   ``RayWorker`` actor per bundle, created with its rank.
+3. Rank 0 opens the TCPStore on port 0 (loopback when the whole group shares one node) and
+   reports the port; every rank joins the process group (gloo on CPU, NCCL on GPU); every rank
+   loads its shard, and rank 0's ``WorkerReport`` is the group's.
+4. ``init_kv_cache``: every rank allocates the pool; then the ``StepChannel`` is bound on the
+   controller's node IP, port 0, every rank starts ``run`` and the handshake completes.
+
+Per step, ``execute`` broadcasts the ``SchedulerOutput`` and waits for the output rank's reply in
+short slices, checking between slices whether any rank's ``run`` ref has finished (a rank that
+dies without a word is noticed in about a second, not at the step deadline). A background
+monitor does the same between steps. Either way the failure becomes one ``WorkerGroupError``
+naming the root-cause rank and node; the group is killed at once and ``restart`` rebuilds it.
+
+Ray must be initialised by the caller (``ensure_ray`` helps). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pagedserve.config import EngineConfig
+from pagedserve.controller.executor import WorkerGroupError
+from pagedserve.controller.placement import (
+    RankSlot,
+    create_placement_group,
+    default_bundle,
+    rank_slots,
+    remove_quietly,
+)
+from pagedserve.controller.wire import (
+    BadFrameError,
+    RankDisconnectedError,
+    StepChannel,
+    StepTimeoutError,
+    WorkerStepError,
+)
+from pagedserve.messages import KVCacheLayout, ModelRunnerOutput, SchedulerOutput, WorkerReport
+
+__all__ = ["RayExecutor", "ensure_ray"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_ACTOR_MODULE = "pagedserve.workers.ray_worker"
+OUTPUT_RANK = 0
+
+
+def ensure_ray(
+    address: str | None = None, *, num_cpus: int | None = None, **init_kwargs: Any
+) -> Any:
+    """Make sure this process is connected to Ray. Already connected: nothing changes. ``None``
+    starts a local instance in-process (``num_cpus`` logical CPUs, default 4, no dashboard);
+    ``"auto"`` or an address attaches to a running cluster."""
+    if ray.is_initialized():
+        return None
+    if address is None:
+        init_kwargs.setdefault("include_dashboard", False)
+        return ray.init(num_cpus=num_cpus if num_cpus is not None else 4, **init_kwargs)
+    return ray.init(address=address, **init_kwargs)
+
+
+def _short(exc: BaseException) -> str:
+    exc = getattr(exc, "cause", None) or exc  # a RayTaskError wraps the worker's exception
+    text = str(exc).strip().splitlines()
+    head = text[0] if text else ""
+    return f"{type(exc).__name__}: {head}"[:500]
+
+
+class RayExecutor:
+    """The ``Executor`` over Ray worker actors (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        placement_timeout_s: float = 60.0,
+        ready_timeout_s: float = 600.0,
+        step_timeout_s: float = 300.0,
+        poll_interval_s: float = 0.5,
+        monitor_interval_s: float = 1.0,
+        bundle: dict[str, float] | None = None,
+        on_failure: Callable[[WorkerGroupError], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.world_size = config.parallel.world_size
+        self.strategy = config.parallel.placement_strategy
+        self.placement_timeout_s = placement_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.monitor_interval_s = monitor_interval_s
+        self._bundle = bundle
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._failure: WorkerGroupError | None = None
+        self._pg: Any = None
+        self._slots: list[RankSlot] = []
+        self._actors: list[Any] = []
+        self._run_refs: dict[Any, int] = {}
+        self._channel: StepChannel | None = None
+        self._layout: KVCacheLayout | None = None
+        self._monitor: threading.Thread | None = None
+        self._monitor_stop = threading.Event()
+        self._closed = False
+        self.num_restarts = 0
+
+    # ------------------------------------------------------------------ Executor protocol
+    def initialize(self) -> WorkerReport:
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not initialised: call ensure_ray(address) first")
+        try:
+            return self._build()
+        except BaseException:
+            self._teardown()
+            raise
+
+    def init_kv_cache(self, layout: KVCacheLayout) -> None:
+        self._layout = layout
+        try:
+            self._gather([a.init_kv_cache.remote(layout) for a in self._actors], "init_kv_cache")
+            self._start_loops()
+        except BaseException:
+            self._teardown()
+            raise
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._raise_if_failed()
+        chan = self._channel
+        if chan is None:
+            raise RuntimeError("RayExecutor: init_kv_cache() must run before execute()")
+        try:
+            chan.broadcast(scheduler_output)
+        except RankDisconnectedError as exc:
+            raise self._fail(self._dead_rank(1.0) or self._error(exc.rank, str(exc))) from exc
+        except StepTimeoutError as exc:
+            raise self._fail(self._dead_rank(1.0) or self._error(-1, str(exc))) from exc
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return chan.recv_reply(min(self.poll_interval_s, max(remaining, 0.0)))
+            except StepTimeoutError as exc:
+                self._raise_if_failed()
+                dead = self._dead_rank(0.0)
+                if dead is not None:
+                    raise self._fail(dead) from exc
+                if remaining <= 0:
+                    what = f"no output within the step timeout ({self.step_timeout_s:.1f} s)"
+                    raise self._fail(self._error(OUTPUT_RANK, what)) from exc
+            except WorkerStepError as exc:
+                # A rank's report may be the echo of another rank's death (a collective that
+                # lost its peer): prefer a rank that died as the root cause.
+                dead = self._dead_rank(1.0, exclude=exc.rank, died_only=True)
+                err = dead or WorkerGroupError(exc.rank, exc.node, f"{exc.exc_type}: {exc.message}")
+                raise self._fail(err) from exc
+            except BadFrameError:
+                logger.warning("dropped a malformed reply frame", exc_info=True)
+
+    def shutdown(self) -> None:
+        """Stop the loops, kill every rank, close the channel, remove the placement group.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown(graceful=True)
+
+    # ------------------------------------------------------------------ faults
+    @property
+    def failure(self) -> WorkerGroupError | None:
+        """The group's failure, if one was found (by a step or by the monitor)."""
+        return self._failure
+
+    @property
+    def rank_table(self) -> list[RankSlot]:
+        """Rank -> (bundle, node id) of the current group."""
+        return list(self._slots)
+
+    @property
+    def actors(self) -> list[Any]:
+        """The worker actors, by rank (for tests and diagnostics)."""
+        return list(self._actors)
+
+    def restart(self) -> WorkerReport:
+        """Tear the whole group down and build it again (placement group, actors, process
+        group, model, and the KV layout of the first build). Returns the new report."""
+        if self._closed:
+            raise RuntimeError("RayExecutor: restart after shutdown")
+        self._teardown()
+        self.num_restarts += 1
+        logger.warning("rebuilding the worker group (restart %d)", self.num_restarts)
+        try:
+            report = self._build()
+            if self._layout is not None:
+                self._gather(
+                    [a.init_kv_cache.remote(self._layout) for a in self._actors], "init_kv_cache"
+                )
+                self._start_loops()
+            return report
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _error(self, rank: int, message: str) -> WorkerGroupError:
+        node = self._slots[rank].node_id if 0 <= rank < len(self._slots) else "?"
+        return WorkerGroupError(rank, node, message)
+
+    def _fail(self, err: WorkerGroupError) -> WorkerGroupError:
+        """Record the group's failure once (the first one is the root cause) and kill the
+        ranks, so that survivors stuck in a collective stop at once. Returns the recorded
+        failure. Safe from the monitor thread: it does not touch the channel."""
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = err
+            recorded = self._failure
+        assert recorded is not None
+        if first:
+            logger.error("%s", err)
+            self._kill_actors()
+            if self._on_failure is not None:
+                try:
+                    self._on_failure(err)
+                except Exception:
+                    logger.exception("on_failure callback failed")
+        return recorded
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _dead_rank(
+        self, wait_s: float, exclude: int | None = None, died_only: bool = False
+    ) -> WorkerGroupError | None:
+        """A rank (other than ``exclude``) whose ``run`` has ended, preferring one whose actor
+        died (only those with ``died_only``); waits up to ``wait_s`` for the first; None if
+        every such rank is still running."""
+        refs = [ref for ref, rank in self._run_refs.items() if rank != exclude]
+        if not refs:
+            return None
+        if wait_s > 0:
+            ray.wait(refs, num_returns=1, timeout=wait_s)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        found: list[tuple[int, int, str]] = []  # (priority, rank, message)
+        for ref in done:
+            rank = self._run_refs[ref]
+            try:
+                result = ray.get(ref, timeout=0)
+                found.append((2, rank, f"its step loop returned {result!r}"))
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as exc:
+                found.append((0, rank, f"the worker actor died ({_short(exc)})"))
+            except Exception as exc:
+                found.append((1, rank, f"its step loop failed ({_short(exc)})"))
+        if died_only:
+            found = [f for f in found if f[0] == 0]
+        if not found:
+            return None
+        _, rank, message = min(found)
+        return self._error(rank, message)
+
+    # ------------------------------------------------------------------ build / teardown
+    def _build(self) -> WorkerReport:
+        with self._lock:
+            self._failure = None
+        controller_node = ray.get_runtime_context().get_node_id()
+        bundle = self._bundle or default_bundle(ray.cluster_resources())
+        self._pg = create_placement_group(
+            self.world_size, self.strategy, bundle, self.placement_timeout_s
+        )
+        self._slots = rank_slots(self._pg, controller_node)
+        logger.info(
+            "worker group ranks: %s",
+            ", ".join(f"{s.rank}->bundle {s.bundle_index}@{s.node_id[:12]}" for s in self._slots),
+        )
+        actor_cls = importlib.import_module(WORKER_ACTOR_MODULE).RayWorker
+        gpu = bundle.get("GPU", 0.0)
+        self._actors = [
+            actor_cls.options(
+                num_cpus=bundle.get("CPU", 0.0),
+                num_gpus=gpu,
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg,
+                    placement_group_bundle_index=slot.bundle_index,
+                    placement_group_capture_child_tasks=True,
+                ),
+            ).remote(self.config, slot.rank)
+            for slot in self._slots
+        ]
+        infos = self._gather([a.node_info.remote() for a in self._actors], "start")
+        for slot, info in zip(self._slots, infos, strict=True):
+            if info["node_id"] != slot.node_id:
+                raise WorkerGroupError(
+                    slot.rank, info["node_id"], f"rank placed off its bundle's node {slot.node_id}"
+                )
+        if self.world_size > 1:
+            self._init_distributed(infos)
+        reports = self._gather([a.load_model.remote() for a in self._actors], "load_model")
+        report: WorkerReport = reports[OUTPUT_RANK]
+        return report
+
+    def _init_distributed(self, infos: list[dict[str, Any]]) -> None:
+        one_node = len({i["node_id"] for i in infos}) == 1
+        host = "127.0.0.1" if one_node else infos[0]["node_ip"]
+        (port,) = self._gather([self._actors[0].open_store.remote(host)], "open_store")
+        refs = [a.init_distributed.remote(host, port) for a in self._actors]
+        self._gather(refs, "init_distributed")
+
+    def _start_loops(self) -> None:
+        host = ray.util.get_node_ip_address()
+        self._channel = StepChannel(self.world_size, host=host, output_rank=OUTPUT_RANK)
+        endpoints = self._channel.endpoints
+        self._run_refs = {
+            a.run.remote(endpoints, rank, rank == OUTPUT_RANK): rank
+            for rank, a in enumerate(self._actors)
+        }
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not self._channel.ready:
+            # Handshake in short slices, so that a rank whose loop died is reported at once.
+            dead = self._dead_rank(0.0)
+            if dead is not None:
+                raise self._fail(dead)
+            remaining = deadline - time.monotonic()
+            try:
+                self._channel.wait_ready(timeout_s=min(self.poll_interval_s, max(remaining, 0)))
+            except TimeoutError:
+                if remaining <= 0:
+                    raise
+        self._start_monitor()
+
+    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+        """``ray.get`` of one call per rank, bounded by ``ready_timeout_s``; a failure names
+        the rank (``WorkerGroupError``)."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                rank = rank_of[pending[0]]
+                late = sorted(rank_of[r] for r in pending)
+                waited = f"{self.ready_timeout_s:.1f} s"
+                raise self._error(rank, f"{what}: ranks {late} not done within {waited}")
+            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception as exc:
+                    raise self._error(rank_of[ref], f"{what} failed: {_short(exc)}") from exc
+        return ray.get(refs, timeout=0)  # type: ignore[no-any-return]
+
+    def _start_monitor(self) -> None:
+        self._monitor_stop = threading.Event()
+        stop = self._monitor_stop
+        self._monitor = threading.Thread(
+            target=self._monitor_loop, args=(stop,), name="pagedserve-rank-monitor", daemon=True
+        )
+        self._monitor.start()
+
+    def _monitor_loop(self, stop: threading.Event) -> None:
+        # Polls with a short timeout rather than blocking in ray.wait, so that shutdown can
+        # stop it before Ray goes away underneath.
+        refs = list(self._run_refs)
+        while not stop.is_set() and self._failure is None:
+            try:
+                done, _ = ray.wait(refs, num_returns=1, timeout=self.monitor_interval_s)
+            except Exception:  # Ray is shutting down
+                return
+            if done and not stop.is_set():
+                dead = self._dead_rank(0.5)
+                if dead is not None and not stop.is_set():
+                    self._fail(dead)
+                return
+
+    def _stop_monitor(self) -> None:
+        self._monitor_stop.set()
+        mon = self._monitor
+        if mon is not None and mon is not threading.current_thread():
+            mon.join(timeout=self.monitor_interval_s + 5.0)
+        self._monitor = None
+
+    def _kill_actors(self) -> None:
+        if not ray.is_initialized():
+            return
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                logger.debug("ray.kill failed", exc_info=True)
+
+    def _teardown(self, graceful: bool = False) -> None:
+        """Everything back to nothing; safe to call at any stage of a build, and repeatedly."""
+        self._stop_monitor()
+        chan, self._channel = self._channel, None
+        if chan is not None:
+            try:
+                if graceful and chan.ready and self._failure is None:
+                    chan.stop_workers(timeout_s=2.0)
+            except Exception:
+                logger.debug("stop_workers failed", exc_info=True)
+            chan.close()
+        self._kill_actors()
+        self._actors = []
+        self._run_refs = {}
+        pg, self._pg = self._pg, None
+        remove_quietly(pg)

@@ -1,0 +1,138 @@
+"""``EngineCore``'s worker-group fault handling without Ray: an in-process executor that fails
+on demand stands in for a worker group whose rank died."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers.checkpoints import make_checkpoint
+
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.controller.client import EngineDeadError
+from pagedserve.controller.engine_core import EngineCore
+from pagedserve.controller.executor import LocalExecutor, WorkerGroupError
+from pagedserve.messages import SamplingParams
+
+PROMPT = list(range(3, 40))  # several full blocks of 4: prefix-cacheable
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+class FlakyExecutor:
+    """A ``LocalExecutor`` whose next step fails on request, and whose restarts may fail."""
+
+    def __init__(self, config: EngineConfig, restart_failures: int = 0) -> None:
+        self.config = config
+        self.inner = LocalExecutor(config)
+        self.fail_next = False
+        self.restart_failures = restart_failures
+        self.restarts = 0
+        self.restart_times: list[float] = []
+        self.failure = None
+
+    def initialize(self):
+        return self.inner.initialize()
+
+    def init_kv_cache(self, layout) -> None:
+        self.layout = layout
+        self.inner.init_kv_cache(layout)
+
+    def execute(self, scheduler_output):
+        if self.fail_next:
+            self.fail_next = False
+            raise WorkerGroupError(1, "node-x", "the worker actor died")
+        return self.inner.execute(scheduler_output)
+
+    def restart(self):
+        self.restart_times.append(time.monotonic())
+        if self.restart_failures:
+            self.restart_failures -= 1
+            raise RuntimeError("placement group not ready")
+        self.restarts += 1
+        self.inner.shutdown()
+        self.inner = LocalExecutor(self.config)
+        report = self.inner.initialize()
+        self.inner.init_kv_cache(self.layout)
+        return report
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> EngineConfig:
+    path = make_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
+    return EngineConfig(
+        model=ModelConfig(model=str(path), dtype="float32"),
+        cache=CacheConfig(block_size=4, num_gpu_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+    )
+
+
+def _run(engine: EngineCore, rid: str):
+    engine.add_request(rid, PROMPT, GREEDY)
+    for _ in range(100):
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("request did not finish")
+
+
+def test_failure_fails_requests_resets_state_and_recovers(config):
+    ex = FlakyExecutor(config)
+    engine = EngineCore(config, ex, eos_token_ids=(), restart_backoff_s=0.01)
+    try:
+        reference = _run(engine, "a").outputs[0].token_ids
+        assert _run(engine, "b").num_cached_tokens > 0  # the prefix cache is warm
+        engine.add_request("c", PROMPT, GREEDY)
+        engine.add_request("d", [5, 6, 7], SamplingParams(max_tokens=8, n=2, ignore_eos=True))
+        engine.step()
+        ex.fail_next = True
+        failed = engine.step()
+        assert sorted(o.request_id for o in failed) == ["c", "d"]
+        for out in failed:
+            assert out.finished and out.error and "rank 1 on node node-x" in out.error
+            assert {c.finish_reason for c in out.outputs} == {"error"}
+        assert not engine.has_unfinished() and engine.kv.usage == 0.0
+        assert engine.stats()["kv_blocks_used"] == 0
+        # Rebuilt on the next step; the prefix cache was dropped with the workers' KV.
+        again = _run(engine, "e")
+        assert ex.restarts == 1 and engine.num_restarts == 1 and engine.healthy
+        assert again.outputs[0].token_ids == reference and again.num_cached_tokens == 0
+    finally:
+        engine.shutdown()
+
+
+def test_restarts_back_off_exponentially_then_the_engine_dies(config):
+    ex = FlakyExecutor(config, restart_failures=10)
+    engine = EngineCore(config, ex, eos_token_ids=(), max_restarts=2, restart_backoff_s=0.1)
+    try:
+        engine.add_request("a", PROMPT, GREEDY)
+        ex.fail_next = True
+        failed_at = time.monotonic()
+        assert [o.request_id for o in engine.step()] == ["a"]
+        assert engine.step() == []  # restart 1 fails (after 0.1 s)
+        assert engine.healthy
+        with pytest.raises(EngineDeadError, match="at most 2 restarts"):
+            engine.step()  # restart 2 fails (after 0.2 s more): 3 failures > 2
+        assert not engine.healthy
+        gaps = [ex.restart_times[0] - failed_at, ex.restart_times[1] - ex.restart_times[0]]
+        assert gaps[0] >= 0.09 and gaps[1] >= 0.19, gaps
+        with pytest.raises(EngineDeadError):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_an_executor_that_cannot_restart_makes_the_engine_dead(config):
+    class NoRestart(LocalExecutor):
+        def execute(self, scheduler_output):
+            raise WorkerGroupError(0, "node-y", "gone")
+
+    engine = EngineCore(config, NoRestart(config), eos_token_ids=())
+    engine.add_request("a", PROMPT, GREEDY)
+    (out,) = engine.step()
+    assert out.error and "node-y" in out.error
+    assert not engine.healthy
+    with pytest.raises(EngineDeadError, match="cannot rebuild"):
+        engine.step()

@@ -1,0 +1,305 @@
+"""The Ray worker group on one local Ray instance: tensor-parallel parity through ``RayExecutor``
++ ``EngineCore``, fault handling (a killed rank fails the in-flight requests with the rank and
+node named, the group is rebuilt, restarts are capped), and placement errors.
+
+One Ray instance serves the whole module; every executor is shut down in a finalizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from ray.util.placement_group import placement_group_table
+
+from pagedserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pagedserve.controller.client import EngineDeadError
+from pagedserve.controller.engine_core import EngineCore
+from pagedserve.controller.executor import LocalExecutor, WorkerGroupError, create_executor
+from pagedserve.controller.placement import (
+    PlacementTimeoutError,
+    missing_resources,
+    rank_order,
+)
+from pagedserve.controller.ray_executor import RayExecutor, ensure_ray
+from pagedserve.messages import SamplingParams
+from pagedserve.workers.ray_worker import controller_reachable
+
+MAX_NEW = 16
+PROMPTS = [[1, 17, 99, 4, 250, 31, 77], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 3], [42]]
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ensure_ray(None, num_cpus=4, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@functools.cache
+def _checkpoint(root: str, kind: str, kv_heads: int) -> Path:
+    return make_checkpoint(kind, Path(root) / f"{kind}-kv{kv_heads}", num_key_value_heads=kv_heads)
+
+
+@functools.cache
+def _reference(path: Path) -> list[list[int]]:
+    model = load_hf_model(path)
+    return [hf_greedy(model, p, MAX_NEW) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("ckpts"))
+
+
+def _config(path: Path, tp: int = 1, strategy: str = "PACK") -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=str(path), dtype="float32"),
+        cache=CacheConfig(block_size=4, kv_cache_memory_bytes=1 << 22),
+        parallel=ParallelConfig(tensor_parallel_size=tp, placement_strategy=strategy),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
+    )
+
+
+def _ray_engine(request, config: EngineConfig, **engine_kwargs) -> EngineCore:
+    executor = RayExecutor(config, placement_timeout_s=30, ready_timeout_s=120, step_timeout_s=60)
+    request.addfinalizer(executor.shutdown)
+    return EngineCore(config, executor, eos_token_ids=(), **engine_kwargs)
+
+
+def _generate(engine: EngineCore, prompts=PROMPTS, prefix: str = "r") -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, GREEDY)
+    done: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 120
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, "generation did not finish"
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+# ---------------------------------------------------------------- pure placement helpers
+
+
+def test_rank_order_puts_the_controller_node_first_and_keeps_nodes_contiguous():
+    table = {0: "b", 1: "a", 2: "ctl", 3: "b", 4: "ctl", 5: "a"}
+    slots = rank_order(table, controller_node="ctl")
+    assert [(s.rank, s.bundle_index, s.node_id) for s in slots] == [
+        (0, 2, "ctl"),
+        (1, 4, "ctl"),
+        (2, 0, "b"),
+        (3, 3, "b"),
+        (4, 1, "a"),
+        (5, 5, "a"),
+    ]
+    # The controller's node holds no bundle: nodes in order of their first bundle.
+    assert [s.bundle_index for s in rank_order({0: "x", 1: "y"}, "ctl")] == [0, 1]
+
+
+def test_missing_resources_names_what_the_cluster_lacks():
+    nodes = [{"CPU": 2.0}, {"CPU": 2.0}]
+    assert missing_resources([{"GPU": 1.0}] * 2, "PACK", nodes) == {
+        "GPU": "need 2 in total, the cluster has 0"
+    }
+    assert "largest has 2" in missing_resources([{"CPU": 1.0}] * 3, "STRICT_PACK", nodes)["CPU"]
+    assert missing_resources([{"CPU": 1.0}] * 3, "PACK", nodes) == {}
+
+
+def test_controller_probe():
+    srv = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{srv.getsockname()[1]}"
+    assert controller_reachable(endpoint)
+    srv.close()
+    assert not controller_reachable(endpoint, timeout_s=1.0)
+
+
+def test_create_executor_backends(tmp_path):
+    cfg = _config(tmp_path, tp=1)
+    assert isinstance(create_executor(cfg, backend="local"), LocalExecutor)
+    assert isinstance(create_executor(cfg), RayExecutor)
+    with pytest.raises(ValueError, match="tensor_parallel_size is 2"):
+        create_executor(_config(tmp_path, tp=2), backend="local")
+    with pytest.raises(ValueError, match="unknown executor backend"):
+        create_executor(cfg, backend="mpi")
+
+
+# ---------------------------------------------------------------- on Ray
+
+
+def test_unsatisfiable_placement_fails_fast_and_names_the_missing_resources(ray_local, tmp_path):
+    for bundle, tp, resource in (({"GPU": 1.0}, 2, "GPU"), (None, 100, "CPU")):
+        executor = RayExecutor(_config(tmp_path, tp=tp), placement_timeout_s=1.0, bundle=bundle)
+        start = time.monotonic()
+        with pytest.raises(PlacementTimeoutError) as info:
+            executor.initialize()
+        assert time.monotonic() - start < 10
+        assert resource in info.value.missing and resource in str(info.value)
+        executor.shutdown()
+    # Nothing is left pending: the timed-out groups were removed.
+    states = {g["state"] for g in placement_group_table().values()}
+    assert "PENDING" not in states, states
+
+
+def test_tp2_matches_tp1_and_transformers(ray_local, ckpt_root, request):
+    path = _checkpoint(ckpt_root, "llama", 2)
+    expected = _reference(path)
+    tp1 = EngineCore(_config(path, tp=1), LocalExecutor(_config(path, tp=1)), eos_token_ids=())
+    try:
+        assert _generate(tp1) == expected
+    finally:
+        tp1.shutdown()
+    engine = _ray_engine(request, _config(path, tp=2))
+    assert _generate(engine) == expected
+    table = engine.executor.rank_table
+    assert [s.rank for s in table] == [0, 1]
+    assert {s.node_id for s in table} == {ray.get_runtime_context().get_node_id()}
+
+
+def test_tp4_with_four_kv_heads(ray_local, ckpt_root, request):
+    path = _checkpoint(ckpt_root, "llama", 4)
+    engine = _ray_engine(request, _config(path, tp=4))
+    assert engine.worker_report.layer_specs[0].num_kv_heads == 1  # 4 KV heads over 4 ranks
+    assert _generate(engine) == _reference(path)
+
+
+def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_root, request):
+    path = _checkpoint(ckpt_root, "llama", 2)
+    expected = _reference(path)
+    engine = _ray_engine(request, _config(path, tp=2), max_restarts=1, restart_backoff_s=0.1)
+    executor: RayExecutor = engine.executor  # type: ignore[assignment]
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"long{i}", p, long)
+    for _ in range(5):
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] > 0
+    victim = executor.rank_table[1]
+
+    # 1. Kill rank 1 mid-generation: every in-flight request fails promptly, naming it.
+    ray.kill(executor.actors[1], no_restart=True)
+    start = time.monotonic()
+    failed = engine.step()
+    assert time.monotonic() - start < 5.0
+    assert sorted(o.request_id for o in failed) == ["long0", "long1", "long2"]
+    for out in failed:
+        assert out.finished and out.outputs[0].finish_reason == "error"
+        assert f"rank 1 on node {victim.node_id}" in out.error
+    err = engine.last_failure
+    assert isinstance(err, WorkerGroupError) and (err.rank, err.node_id) == (1, victim.node_id)
+    assert not engine.has_unfinished()
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.kv.usage == 0.0
+
+    # 2. The next step rebuilds the group; new requests get the right tokens.
+    assert _generate(engine, prefix="after") == expected
+    assert engine.num_restarts == 1 and engine.healthy
+    new_actors = executor.actors
+    assert len(new_actors) == 2 and executor.failure is None
+
+    # 3. A rank dies while the engine is idle: the monitor finds it, and with the restart
+    #    budget spent the engine reports itself dead.
+    ray.kill(new_actors[0], no_restart=True)
+    deadline = time.monotonic() + 15
+    while executor.failure is None:
+        assert time.monotonic() < deadline, "the monitor did not notice the dead rank"
+        time.sleep(0.1)
+    assert executor.failure.rank == 0
+    assert engine.step() == []  # nothing in flight; the failure is recorded
+    assert not engine.healthy
+    with pytest.raises(EngineDeadError, match="at most 1 restarts"):
+        engine.step()
+
+
+def test_worker_exits_when_the_controller_socket_vanishes(ray_local, tmp_path):
+    from pagedserve.controller.wire import StepChannel
+    from pagedserve.workers.ray_worker import RayWorker
+
+    actor = RayWorker.options(num_cpus=0).remote(_config(tmp_path, tp=1), 0)
+    chan = StepChannel(1, host=ray.util.get_node_ip_address())
+    try:
+        loop = actor.run.remote(chan.endpoints, 0, True, 0.2, 0.5)
+        chan.wait_ready(timeout_s=60)
+    finally:
+        chan.close()  # no stop message: as if the controller process had died
+    done, _ = ray.wait([loop], timeout=20)
+    assert done, "the rank did not notice that its controller is gone"
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.ping.remote(), timeout=20)
+
+
+DRIVER = """
+import os, sys, time, ray
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedserve.controller.ray_executor import RayExecutor
+ray.init(address=sys.argv[1], log_to_driver=False)
+cfg = EngineConfig(model=ModelConfig(model=sys.argv[2], dtype="float32"),
+                   cache=CacheConfig(block_size=4, kv_cache_memory_bytes=1 << 22),
+                   parallel=ParallelConfig(tensor_parallel_size=1))
+ex = RayExecutor(cfg, placement_timeout_s=30)
+ex.initialize()
+pids = ray.get([a.ping.remote() for a in ex.actors], timeout=30)
+print("PIDS", *pids, flush=True)
+time.sleep(120)
+"""
+
+
+def test_no_orphan_workers_when_the_controller_is_killed(ray_local, ckpt_root, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = _checkpoint(ckpt_root, "llama", 2)
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, str(script), address, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        pids: list[int] = []
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        while not pids and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("PIDS"):
+                pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 1, "the driver did not start its worker group"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids):
+            assert time.monotonic() < deadline, f"workers {pids} outlived their controller"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
