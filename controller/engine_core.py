@@ -171,7 +171,9 @@ class EngineCore:
     def _plan_kv_cache(self, report: WorkerReport) -> tuple[KVCacheLayout, list[KVCacheSpec]]:
         """Group the reported layer specs and size the pool."""
         cache = self.config.cache
-        block_size = cache.block_size  # x dcp once decode context parallelism lands
+        # Per-rank page geometry: under decode context parallelism each rank holds B tokens of
+        # every virtual block of B x dcp tokens, so bytes -> blocks is the same as without it.
+        block_size = cache.block_size
         groups = kv_groups_from_report(report, block_size)
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
@@ -198,6 +200,7 @@ class EngineCore:
             self.max_model_len,
             enable_caching=cache.enable_prefix_caching,
             policy=cache.allocation_policy,  # type: ignore[arg-type]
+            virtual_block_factor=self.config.parallel.decode_context_parallel_size,
         )
 
     def _new_scheduler(self, step_hooks: list[StepHook]) -> Scheduler:
@@ -457,6 +460,8 @@ class EngineCore:
         stats: dict[str, int | float] = dataclasses.asdict(self.scheduler.stats())
         stats["kv_blocks_total"] = self.kv_layout.num_blocks - 1  # without the null block
         stats["kv_blocks_used"] = stats["kv_blocks_total"] - self.kv.num_free_blocks
+        # Token capacity grows with decode context parallelism: a block spans B x dcp tokens.
+        stats["kv_capacity_tokens"] = stats["kv_blocks_total"] * self.kv.block_size
         stats["time_schedule_s"] = self._time_schedule
         stats["time_execute_s"] = self._time_execute
         return stats
