@@ -240,6 +240,71 @@ class ModelRunnerOutput:
 
 
 # --------------------------------------------------------------------------------------------
+# Clients <-> the controller actor (over ZeroMQ; see controller/ray_controller.py)
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Client -> controller: admit a request. Answered by one ``AddResult``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """Client -> controller: abort a request (idempotent; unknown ids are ignored)."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class AddResult:
+    """Controller -> client: whether an ``AddRequest`` was accepted. ``error_type`` is the class
+    name of the refusal (a ``RequestError`` subclass, or ``EngineDeadError``); None: accepted."""
+
+    request_id: str
+    error_type: str | None = None
+    error_message: str | None = None
+
+
+@dataclass(slots=True)
+class OutputBatch:
+    """Controller -> client: every output of one engine step for that client, as **deltas**.
+
+    ``prompt`` and ``prompt_token_ids`` never travel back (None and empty: the client kept
+    them when it sent the request). Each completion's ``token_ids`` and ``logprobs`` hold only
+    what was added since the previous batch, and its ``text`` replaces the cumulative text from
+    character ``text_starts[i][j]`` on (append-only in practice; a stop string may cut text
+    already sent).
+    """
+
+    outputs: list[RequestOutput]
+    text_starts: list[list[int]]
+
+
+@dataclass(slots=True)
+class StatusRequest:
+    """Client -> controller: ask for an ``EngineStatus`` (also the client's heartbeat)."""
+
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class EngineStatus:
+    """Controller -> client: health and the engine's latest stats snapshot. Sent in answer to
+    ``StatusRequest`` (same ``seq``), and unprompted (``seq`` -1) when the engine dies."""
+
+    healthy: bool
+    stats: dict[str, Any]
+    error: str | None = None
+    seq: int = 0
+
+
+# --------------------------------------------------------------------------------------------
 # The codec
 
 
@@ -259,6 +324,12 @@ _TAGGED: tuple[type, ...] = (
     CachedRequestData,
     SchedulerOutput,
     ModelRunnerOutput,
+    AddRequest,
+    AbortRequest,
+    AddResult,
+    OutputBatch,
+    StatusRequest,
+    EngineStatus,
 )
 _TAG_OF: dict[type, int] = {cls: i + 1 for i, cls in enumerate(_TAGGED)}
 _CLS_OF: dict[int, type] = {i: cls for cls, i in _TAG_OF.items()}

@@ -60,7 +60,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
-    vocab = llm.engine.vocab_size
+    vocab = llm.vocab_size
     rng = np.random.default_rng(args.seed)
     if args.workload == "uniform":
         prompts, outs = uniform_workload(rng, args.num_requests, args.min_len, args.max_len, vocab)

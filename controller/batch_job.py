@@ -13,7 +13,8 @@ job goes on. The exit status is the number of failed lines (capped at 125), 0 wh
 Requests the engine could not finish because it died are *not* written, so a rerun retries them.
 
 The job talks to the engine only through ``EngineClient``; ``--address`` is handed to
-``start_engine`` (None: an in-process engine, ``auto``: attach to a running Ray cluster).
+``start_engine`` (None: a fresh local Ray instance, ``auto``: attach to a running Ray cluster;
+``--backend local`` keeps the engine in this process).
 Without ``--input`` the command keeps its plain form: ``--prompt`` texts printed to stdout.
 """
 

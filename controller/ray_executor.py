@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -64,13 +65,16 @@ def ensure_ray(
     address: str | None = None, *, num_cpus: int | None = None, **init_kwargs: Any
 ) -> Any:
     """Make sure this process is connected to Ray. Already connected: nothing changes. ``None``
-    starts a local instance in-process (``num_cpus`` logical CPUs, default 4, no dashboard);
+    (or ``"local"``) starts a fresh local instance in-process (``num_cpus`` logical CPUs,
+    default max(4, cores): each rank's CPU bundle needs one, even on a small machine; no
+    dashboard), even where ``RAY_ADDRESS`` or a ``ray start`` cluster exists;
     ``"auto"`` or an address attaches to a running cluster."""
     if ray.is_initialized():
         return None
-    if address is None:
+    if address in (None, "local"):
         init_kwargs.setdefault("include_dashboard", False)
-        return ray.init(num_cpus=num_cpus if num_cpus is not None else 4, **init_kwargs)
+        cpus = num_cpus if num_cpus is not None else max(4, os.cpu_count() or 1)
+        return ray.init(address="local", num_cpus=cpus, **init_kwargs)
     return ray.init(address=address, **init_kwargs)
 
 
@@ -194,6 +198,11 @@ class RayExecutor:
     def actors(self) -> list[Any]:
         """The worker actors, by rank (for tests and diagnostics)."""
         return list(self._actors)
+
+    @property
+    def placement_group(self) -> Any:
+        """The worker group's current placement group (None while torn down)."""
+        return self._pg
 
     def restart(self) -> WorkerReport:
         """Tear the whole group down and build it again (placement group, actors, process

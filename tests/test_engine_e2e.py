@@ -47,7 +47,7 @@ def _reference(path: str, prompts: tuple[tuple[int, ...], ...]) -> list[list[int
 
 
 def _ours(path: Path, prompts: list[list[int]], params=GREEDY, **options):
-    llm = LLM(str(path), **options)
+    llm = LLM(str(path), backend="local", **options)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], llm.stats()
@@ -82,7 +82,7 @@ def test_prefix_caching_hits_and_equals(ckpt_root: str) -> None:
     path = _checkpoint("llama", ckpt_root)
     shared = _prompts(7, (40,))[0]
     prompts = _prompts(2, (3, 16, 20, 31), prefix=shared)
-    llm = LLM(str(path), enable_prefix_caching=True)
+    llm = LLM(str(path), backend="local", enable_prefix_caching=True)
     try:
         first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
@@ -130,7 +130,7 @@ def test_parallel_sampling_shares_prompt_blocks(ckpt_root: str) -> None:
     path = _checkpoint("llama", ckpt_root)
     prompt = _prompts(8, (48,))[0]  # three full blocks of 16
     params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
-    llm = LLM(str(path), enable_prefix_caching=False, block_size=16)
+    llm = LLM(str(path), backend="local", enable_prefix_caching=False, block_size=16)
     peak: list[int] = []
     copies: list[tuple[int, int]] = []
 
@@ -158,7 +158,7 @@ def test_stop_token_ids_and_stop_strings(ckpt_root: str) -> None:
     path = _checkpoint("llama", ckpt_root)
     prompt = _prompts(9, (10,))[0]
     full = _reference(str(path), ((*prompt,),))[0]
-    llm = LLM(str(path))
+    llm = LLM(str(path), backend="local")
     try:
         stop_tok = full[5]
         first = full.index(stop_tok)

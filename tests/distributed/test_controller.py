@@ -1,0 +1,153 @@
+"""The Ray path end to end: ``LLM`` -> controller actor -> worker actor, over ZeroMQ.
+
+One Ray instance and one ``LLM`` (tp=1, Ray backend) for the whole module; the tests run in
+file order and the last one kills the controller, so it must stay last.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import time
+
+import pytest
+import ray
+from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.controller.client import EngineDeadError
+from pagedserve.controller.errors import InvalidTokenError, PromptTooLongError
+from pagedserve.controller.remote_client import RemoteEngineClient
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory):
+    return make_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    engine = None
+    try:
+        engine = LLM(str(ckpt), backend="ray", max_model_len=128, num_gpu_blocks=64)
+        yield engine
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        ray.shutdown()
+
+
+def _prompts(seed: int, lens: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
+
+
+def _finals(q: queue.SimpleQueue, n: int, timeout_s: float = 60.0) -> dict:
+    got, deadline = {}, time.monotonic() + timeout_s
+    while len(got) < n:
+        out = q.get(timeout=max(0.01, deadline - time.monotonic()))
+        if out.finished:
+            got[out.request_id] = out
+    return got
+
+
+def test_ray_path_equals_local_and_transformers(llm, ckpt) -> None:
+    assert isinstance(llm.client, RemoteEngineClient)
+    prompts = _prompts(1, (1, 5, 16, 17, 40))
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    local = LLM(str(ckpt), backend="local", max_model_len=128, num_gpu_blocks=64)
+    try:
+        theirs = [o.outputs[0].token_ids for o in local.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        local.shutdown()
+    assert ours == theirs
+    model = load_hf_model(ckpt)
+    assert ours == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    # Text prompts travel too (tokenized on the client, detokenized by the controller).
+    (out,) = llm.generate("hello world", GREEDY, use_tqdm=False)
+    assert out.prompt == "hello world" and len(out.outputs[0].token_ids) == MAX_NEW
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_abort_over_the_wire_frees_blocks(llm) -> None:
+    client = llm.client
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    client.add_request("long", _prompts(2, (20,))[0], long, q.put)
+    first = q.get(timeout=60)
+    assert not first.finished and first.prompt_token_ids
+    client.abort_request("long")
+    out = _finals(q, 1)["long"]
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) < 100
+    stats = client.stats()
+    assert stats["kv_blocks_used"] == 0
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_bad_requests_raise_typed_errors_others_unaffected(llm) -> None:
+    client = llm.client
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    good = _prompts(3, (7,))[0]
+    client.add_request("good", good, GREEDY, q.put)
+    with pytest.raises(PromptTooLongError):
+        client.add_request("too-long", [5] * 200, GREEDY, q.put)
+    with pytest.raises(InvalidTokenError):
+        client.add_request("oov", [5, 10_000], GREEDY, q.put)
+    out = _finals(q, 1)["good"]
+    assert out.error is None and len(out.outputs[0].token_ids) == MAX_NEW
+    (again,) = llm.generate([good], GREEDY, use_tqdm=False)
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    assert client.is_healthy()
+
+
+def test_worker_death_fails_in_flight_then_the_replica_serves_again(llm) -> None:
+    client = llm.client
+    (worker,) = ray.get(client.actor.worker_actors.remote(), timeout=30)
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    client.add_request("victim", [11] * 20, long, q.put)
+    assert not q.get(timeout=60).finished
+    ray.kill(worker, no_restart=True)
+    out = _finals(q, 1)["victim"]
+    assert out.error is not None and out.outputs[0].finish_reason == "error"
+    assert client.is_healthy()  # the controller rebuilds its worker group
+    prompt = _prompts(4, (9,))[0]
+    (again,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert again.outputs[0].token_ids == hf_greedy(load_hf_model(llm.config.model.model),
+                                                   prompt, MAX_NEW)
+    (new_worker,) = ray.get(client.actor.worker_actors.remote(), timeout=30)
+    assert new_worker != worker
+
+
+def test_killing_the_controller_leaves_no_workers_and_fails_fast(llm) -> None:
+    # Must stay the last test of the module: it kills the module's engine.
+    client = llm.client
+    actor = client.actor
+    workers = ray.get(actor.worker_actors.remote(), timeout=30)
+    assert workers, "the controller should run its model on worker actors"
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    client.add_request("doomed", [7] * 10, SamplingParams(max_tokens=100,
+                                                           ignore_eos=True), q.put)
+    ray.kill(actor, no_restart=True)
+    start = time.monotonic()
+    while client.is_healthy() and time.monotonic() - start < 15:
+        time.sleep(0.05)
+    assert not client.is_healthy(), "the client did not notice the controller's death"
+    assert time.monotonic() - start < 10
+    with pytest.raises(EngineDeadError):
+        client.add_request("after", [7], GREEDY, q.put)
+    for worker in workers:  # owned by the controller, so gone with it
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.ping.remote(), timeout=30)
+    # ...and the placement group it created is released.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = {pg["state"] for pg in ray.util.placement_group_table().values()}
+        if states <= {"REMOVED"}:
+            break
+        time.sleep(0.2)
+    assert states <= {"REMOVED"}, states

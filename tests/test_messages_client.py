@@ -1,0 +1,234 @@
+"""Client <-> controller messages, and the ZeroMQ serving path without Ray.
+
+A ``ReplicaServer`` over an ``EngineCore`` with a tiny fake executor, and ``RemoteEngineClient``
+talking to it over TCP on loopback: typed refusals, cumulative outputs rebuilt from deltas,
+abort, duplicate ids across clients, and death.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from pagedserve.config import from_flat
+from pagedserve.controller.client import EngineDeadError
+from pagedserve.controller.engine_core import EngineCore
+from pagedserve.controller.errors import (
+    EmptyPromptError,
+    InvalidTokenError,
+    PromptTooLongError,
+    RequestError,
+)
+from pagedserve.controller.output_deltas import OutputDeltas, OutputMerger
+from pagedserve.controller.ray_controller import ReplicaServer
+from pagedserve.controller.remote_client import RemoteEngineClient, error_from_result
+from pagedserve.messages import (
+    AbortRequest,
+    AddRequest,
+    AddResult,
+    CompletionOutput,
+    EngineStatus,
+    KVCacheLayout,
+    LayerKVSpec,
+    ModelRunnerOutput,
+    OutputBatch,
+    RequestOutput,
+    SamplingParams,
+    SchedulerOutput,
+    StatusRequest,
+    WorkerReport,
+    decode,
+    encode,
+)
+
+VOCAB = 100
+
+
+def test_round_trip() -> None:
+    sp = SamplingParams(max_tokens=3, temperature=0.0, stop=["x"], seed=3)
+    msgs = [
+        AddRequest("r1", [1, 2, 3], sp, "hi", "salt"),
+        AddRequest("r2", [4], SamplingParams()),
+        AbortRequest("r1"),
+        AddResult("r1"),
+        AddResult("r2", "PromptTooLongError", "too long"),
+        OutputBatch(
+            [RequestOutput("r1", None, [], [CompletionOutput(0, "ab", [5, 6], "stop", "x",
+                                                              [{5: -0.5, 7: -1.0}], -0.5)],
+                           True, 16, None)],
+            [[3]],
+        ),
+        StatusRequest(7),
+        EngineStatus(True, {"num_running_reqs": 2, "kv_usage": 0.5}, None, 7),
+        EngineStatus(False, {}, "worker died", -1),
+    ]
+    for m in msgs:
+        assert decode(encode(m)) == m
+
+
+def test_error_types_map_back() -> None:
+    assert isinstance(error_from_result(AddResult("a", "PromptTooLongError", "m")),
+                      PromptTooLongError)
+    assert isinstance(error_from_result(AddResult("a", "EngineDeadError", "m")), EngineDeadError)
+    err = error_from_result(AddResult("a", "SomethingNewError", "m"))
+    assert type(err) is RequestError
+
+
+def test_deltas_rebuild_cumulative_outputs() -> None:
+    deltas = OutputDeltas()
+    tracked = OutputMerger(lambda out: None, "p", [1, 2], 1)
+    texts = ["he", "hello", "hello wor", "hello"]  # the last one: a stop string cut it
+    for i, text in enumerate(texts):
+        cum = RequestOutput(
+            "k", "p", [1, 2],
+            [CompletionOutput(0, text, list(range(i + 1)), "stop" if i == 3 else None)],
+            finished=i == 3,
+        )
+        delta, starts = deltas.delta(cum, "k")
+        assert delta.prompt_token_ids == []
+        wire = decode(encode(OutputBatch([delta], [starts])))
+        out = tracked.merge(wire.outputs[0], wire.text_starts[0])
+        assert out.outputs[0].text == text and out.outputs[0].token_ids == list(range(i + 1))
+        assert out.prompt_token_ids == [1, 2] and out.prompt == "p"
+    assert deltas._sent == {}
+
+
+class TinyExecutor:
+    """Emits ``(last * 7 + 1) % VOCAB`` for each request whose scheduled tokens end this step."""
+
+    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.0) -> None:
+        self.rows: dict[str, list[int]] = {}
+        self.fail_at_step = fail_at_step
+        self.step_s = step_s
+
+    def initialize(self) -> WorkerReport:
+        return WorkerReport([LayerKVSpec(2, 8, 2)], 1 << 20, VOCAB, 64, "cpu")
+
+    def init_kv_cache(self, layout: KVCacheLayout) -> None:
+        pass
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.fail_at_step is not None and so.step_id >= self.fail_at_step:
+            raise RuntimeError("boom")
+        time.sleep(self.step_s)  # a step takes time, so an abort can land mid-request
+        for rid in so.finished_req_ids:
+            self.rows.pop(rid, None)
+        done: dict[str, int] = {}
+        for nr in so.new_reqs:
+            self.rows[nr.req_id] = [*nr.prompt_token_ids, *nr.output_token_ids, 0]
+            self.rows[nr.req_id][-1] = nr.num_computed_tokens
+        c = so.cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            row = self.rows[rid]
+            row[-1:-1] = c.new_token_ids[i]
+            row[-1] = c.num_computed_tokens[i]
+        out = ModelRunnerOutput(so.step_id)
+        for rid, n in so.num_scheduled_tokens.items():
+            row = self.rows[rid]
+            row[-1] += n
+            if row[-1] == len(row) - 1:
+                done[rid] = (row[-2] * 7 + 1) % VOCAB
+        out.req_ids = list(done)
+        out.sampled_token_ids = list(done.values())
+        return out
+
+    def shutdown(self) -> None:
+        pass
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    toks, last = [], prompt[-1]
+    for _ in range(n):
+        last = (last * 7 + 1) % VOCAB
+        toks.append(last)
+    return toks
+
+
+@pytest.fixture
+def served():
+    cfg = from_flat(block_size=4, num_gpu_blocks=64, max_model_len=64, max_num_batched_tokens=64)
+    core = EngineCore(cfg, TinyExecutor(step_s=0.01), tokenizer=None, eos_token_ids=())
+    server = ReplicaServer(core, "tiny")
+    info = {"model_name": "tiny", "max_model_len": 64, "vocab_size": VOCAB}
+    clients: list[RemoteEngineClient] = []
+
+    def connect(**kw) -> RemoteEngineClient:
+        client = RemoteEngineClient(server.endpoint, info, **kw)
+        clients.append(client)
+        return client
+
+    yield server, connect
+    for c in clients:
+        c.shutdown()
+    server.shutdown()
+
+
+def _collect(q: queue.SimpleQueue, n: int, timeout: float = 10.0) -> dict[str, RequestOutput]:
+    got: dict[str, RequestOutput] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        out = q.get(timeout=max(0.01, deadline - time.monotonic()))
+        if out.finished:
+            got[out.request_id] = out
+    return got
+
+
+def test_generate_refuse_abort_over_zmq(served) -> None:
+    server, connect = served
+    client = connect()
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    client.add_request("a", [1, 2, 3], greedy, q.put)
+    with pytest.raises(PromptTooLongError):
+        client.add_request("long", list(range(1, 80)), greedy, q.put)
+    with pytest.raises(InvalidTokenError):
+        client.add_request("bad", [1, VOCAB + 5], greedy, q.put)
+    with pytest.raises(EmptyPromptError):
+        client.add_request("empty", [], greedy, q.put)
+    client.add_request("b", [4, 5], greedy, q.put)
+    slow = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    client.add_request("c", [9], slow, q.put)
+    client.abort_request("c")
+    got = _collect(q, 3)
+    assert got["a"].outputs[0].token_ids == expected([1, 2, 3], 5)
+    assert got["a"].prompt_token_ids == [1, 2, 3]
+    assert got["b"].outputs[0].token_ids == expected([4, 5], 5)
+    assert got["c"].outputs[0].finish_reason == "abort"
+    stats = client.stats()
+    assert stats["kv_blocks_used"] == 0 and client.is_healthy()
+
+    # n > 1: every completion comes back, rebuilt from its deltas.
+    client.add_request("pair", [3, 4], SamplingParams(n=2, max_tokens=4, ignore_eos=True), q.put)
+    pair = _collect(q, 1)["pair"]
+    assert [c.index for c in pair.outputs] == [0, 1]
+    assert all(c.token_ids == expected([3, 4], 4) for c in pair.outputs)
+
+    # A second client may reuse the same request ids.
+    other = connect()
+    q2: queue.SimpleQueue = queue.SimpleQueue()
+    other.add_request("a", [7], greedy, q2.put)
+    assert _collect(q2, 1)["a"].outputs[0].token_ids == expected([7], 5)
+
+
+def test_engine_death_reaches_client() -> None:
+    cfg = from_flat(block_size=4, num_gpu_blocks=64, max_model_len=64)
+    core = EngineCore(cfg, TinyExecutor(fail_at_step=3), tokenizer=None, eos_token_ids=())
+    server = ReplicaServer(core, "tiny")
+    client = RemoteEngineClient(server.endpoint, {"model_name": "t", "max_model_len": 64,
+                                                  "vocab_size": VOCAB})
+    try:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        client.add_request("a", [1], SamplingParams(max_tokens=20, ignore_eos=True), q.put)
+        out = _collect(q, 1)["a"]
+        assert out.error is not None and "boom" in out.error
+        deadline = time.monotonic() + 5
+        while client.is_healthy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.is_healthy()
+        with pytest.raises(EngineDeadError):
+            client.add_request("b", [1], SamplingParams(), q.put)
+    finally:
+        client.shutdown()
+        server.shutdown()
