@@ -304,6 +304,20 @@ class EngineStatus:
     seq: int = 0
 
 
+class StepFrame:
+    """Kinds of the step channel's frames (``[kind, body]``) between ``controller/wire.py`` and
+    ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
+    handshake."""
+
+    VERSION = 1
+    HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
+    STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
+    STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop
+    OUTPUT = b"out"  # output rank -> controller: encode(ModelRunnerOutput)
+    FAIL = b"fail"  # any rank -> controller: [rank, node, step_id, exc_type, message, traceback]
+    BYE = b"bye"  # rank -> controller: [rank]
+
+
 # --------------------------------------------------------------------------------------------
 # The codec
 

@@ -46,6 +46,7 @@ from pagedserve.messages import (
     MessageDecodeError,
     ModelRunnerOutput,
     SchedulerOutput,
+    StepFrame,
     decode,
     encode,
 )
@@ -64,15 +65,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The wire format, shared with workers/wire.py (which keeps its own copy: neither module may
-# import the other). Bump WIRE_VERSION on any change, so mismatched builds fail at the handshake.
-WIRE_VERSION = 1
-KIND_HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
-KIND_STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
-KIND_STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop
-KIND_OUTPUT = b"out"  # output rank -> controller: encode(ModelRunnerOutput)
-KIND_FAIL = b"fail"  # any rank -> controller: [rank, node, step_id, exc_type, message, traceback]
-KIND_BYE = b"bye"  # rank -> controller: [rank]
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,9 +174,9 @@ def _parse_hello(body: bytes) -> RankInfo:
     if not isinstance(fields, list) or len(fields) != 5:
         raise BadFrameError(f"malformed hello: {fields!r:.200}")
     version, rank, node, pid, is_output = fields
-    if version != WIRE_VERSION:
+    if version != StepFrame.VERSION:
         raise HandshakeError(
-            f"rank {rank} speaks wire version {version!r}, the controller {WIRE_VERSION} "
+            f"rank {rank} speaks wire version {version!r}, the controller {StepFrame.VERSION} "
             "(mixed pagedserve builds across nodes?)"
         )
     ok = (
@@ -332,7 +324,7 @@ class StepChannel:
 
     def _on_step_socket_frame(self, frames: list[bytes]) -> None:
         # A DEALER's frames arrive behind the identity the ROUTER gave its connection.
-        if len(frames) != 3 or frames[1] != KIND_HELLO:
+        if len(frames) != 3 or frames[1] != StepFrame.HELLO:
             raise BadFrameError(f"unexpected frame on the step socket ({len(frames)} parts)")
         info = self._check_hello(_parse_hello(frames[2]))
         route = self._routes.get(info.rank)
@@ -341,7 +333,7 @@ class StepChannel:
         self._routes[info.rank] = frames[0]
 
     def _on_reply_socket_hello(self, frames: list[bytes]) -> None:
-        if len(frames) != 2 or frames[0] != KIND_HELLO:
+        if len(frames) != 2 or frames[0] != StepFrame.HELLO:
             raise BadFrameError(f"unexpected frame on the reply socket before ready: {frames[:1]}")
         info = self._check_hello(_parse_hello(frames[1]))
         if info.rank in self._reply_seen:
@@ -378,7 +370,7 @@ class StepChannel:
         frame = encode(msg)
         for rank in range(self.world_size):
             try:
-                self._step.send_multipart([self._routes[rank], KIND_STEP, frame])
+                self._step.send_multipart([self._routes[rank], StepFrame.STEP, frame])
             except zmq.Again as exc:
                 raise StepTimeoutError(
                     msg.step_id, self._send_timeout_s, f"rank {rank} did not take the step"
@@ -409,13 +401,13 @@ class StepChannel:
             if frames is None:
                 raise StepTimeoutError(expected, time.monotonic() - start)
             kind = frames[0] if len(frames) == 2 else None
-            if kind == KIND_OUTPUT:
+            if kind == StepFrame.OUTPUT:
                 out = self._decode_output(frames[1], expected)
                 self._in_flight.popleft()
                 return out
-            if kind == KIND_FAIL:
+            if kind == StepFrame.FAIL:
                 raise self._decode_failure(frames[1])
-            if kind in (KIND_HELLO, KIND_BYE):
+            if kind in (StepFrame.HELLO, StepFrame.BYE):
                 continue  # a late duplicate of set-up or tear-down traffic: harmless
             raise BadFrameError(f"unexpected frame on the reply socket: {frames[0][:16]!r}")
 
@@ -451,7 +443,7 @@ class StepChannel:
         self._check_open()
         for route in self._routes.values():
             try:
-                self._step.send_multipart([route, KIND_STOP, b""], flags=zmq.NOBLOCK)
+                self._step.send_multipart([route, StepFrame.STOP, b""], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # gone or full: it is not going to confirm, which the result reports
         pending = set(self._routes)
@@ -460,7 +452,7 @@ class StepChannel:
             frames = _recv_by(self._reply, deadline)
             if frames is None:
                 break
-            if len(frames) == 2 and frames[0] == KIND_BYE:
+            if len(frames) == 2 and frames[0] == StepFrame.BYE:
                 try:
                     pending.discard(decode(frames[1])[0])
                 except (MessageDecodeError, TypeError, IndexError, KeyError):

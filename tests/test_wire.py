@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from pagedserve.controller import wire as cwire
 from pagedserve.controller.wire import (
     BadFrameError,
     HandshakeError,
@@ -28,7 +27,6 @@ from pagedserve.messages import (
     SchedulerOutput,
     encode,
 )
-from pagedserve.workers import wire as wwire
 from pagedserve.workers.wire import (
     BadStepFrameError,
     ChannelStopped,
@@ -351,12 +349,6 @@ def test_close_releases_the_ports() -> None:
             sock.bind(endpoint)  # raises EADDRINUSE if the channel still held it
     finally:
         ctx.destroy(linger=0)
-
-
-def test_both_halves_speak_the_same_format() -> None:
-    names = ["WIRE_VERSION", "KIND_HELLO", "KIND_STEP", "KIND_STOP", "KIND_OUTPUT", "KIND_FAIL"]
-    for name in [*names, "KIND_BYE"]:
-        assert getattr(cwire, name) == getattr(wwire, name), name
 
 
 def test_errors_survive_pickling() -> None:

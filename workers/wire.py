@@ -29,6 +29,7 @@ from pagedserve.messages import (
     MessageDecodeError,
     ModelRunnerOutput,
     SchedulerOutput,
+    StepFrame,
     decode,
     encode,
 )
@@ -42,14 +43,6 @@ __all__ = [
     "StepReceiver",
 ]
 
-# Must match controller/wire.py.
-WIRE_VERSION = 1
-KIND_HELLO = b"hello"
-KIND_STEP = b"step"
-KIND_STOP = b"stop"
-KIND_OUTPUT = b"out"
-KIND_FAIL = b"fail"
-KIND_BYE = b"bye"
 
 # A failure frame carries the end of the traceback only: enough to name the root cause once,
 # small enough never to matter on the wire.
@@ -136,9 +129,9 @@ class StepReceiver:
             self._step.setsockopt(zmq.ROUTING_ID, routing_id)
             self._step.connect(endpoints[0])
             self._reply.connect(endpoints[1])
-            hello = encode([WIRE_VERSION, rank, self.node, os.getpid(), is_output_rank])
-            self._send(self._step, [KIND_HELLO, hello], "hello on the step socket")
-            self._send(self._reply, [KIND_HELLO, hello], "hello on the reply socket")
+            hello = encode([StepFrame.VERSION, rank, self.node, os.getpid(), is_output_rank])
+            self._send(self._step, [StepFrame.HELLO, hello], "hello on the step socket")
+            self._send(self._reply, [StepFrame.HELLO, hello], "hello on the reply socket")
         except Exception:
             self._ctx.destroy(linger=0)
             raise
@@ -155,7 +148,7 @@ class StepReceiver:
             frames = self._step.recv_multipart()
         except zmq.Again:
             raise StepReceiveTimeout(time.monotonic() - start) from None
-        if len(frames) == 2 and frames[0] == KIND_STEP:
+        if len(frames) == 2 and frames[0] == StepFrame.STEP:
             try:
                 step = decode(frames[1])
             except MessageDecodeError as exc:
@@ -164,9 +157,9 @@ class StepReceiver:
                 raise BadStepFrameError(f"step frame holds a {type(step).__name__}")
             self.last_step_id = step.step_id
             return step
-        if len(frames) == 2 and frames[0] == KIND_STOP:
+        if len(frames) == 2 and frames[0] == StepFrame.STOP:
             # Confirm, so the controller's stop_workers knows this rank left its loop.
-            self._send(self._reply, [KIND_BYE, encode([self.rank])], "bye", quiet=True)
+            self._send(self._reply, [StepFrame.BYE, encode([self.rank])], "bye", quiet=True)
             raise ChannelStopped(f"rank {self.rank}: the controller closed the step channel")
         raise BadStepFrameError(f"unexpected frame from the controller: {frames[0][:16]!r}")
 
@@ -177,7 +170,7 @@ class StepReceiver:
             raise ValueError(f"rank {self.rank} is not the output rank; only failures go back")
         if not isinstance(out, ModelRunnerOutput):
             raise TypeError(f"reply takes a ModelRunnerOutput, got {type(out).__name__}")
-        self._send(self._reply, [KIND_OUTPUT, encode(out)], f"output of step {out.step_id}")
+        self._send(self._reply, [StepFrame.OUTPUT, encode(out)], f"output of step {out.step_id}")
 
     def reply_error(self, exc: BaseException, step_id: int | None = None) -> None:
         """Report a failure to the controller (any rank). ``step_id`` defaults to the last step
@@ -189,7 +182,7 @@ class StepReceiver:
         body = encode(
             [self.rank, self.node, sid, type(exc).__name__, str(exc), tb[-_MAX_TRACEBACK_CHARS:]]
         )
-        self._send(self._reply, [KIND_FAIL, body], "failure report", quiet=True)
+        self._send(self._reply, [StepFrame.FAIL, body], "failure report", quiet=True)
 
     def close(self) -> None:
         """Close both sockets without lingering. Idempotent."""
