@@ -7,7 +7,7 @@ import logging
 import sys
 
 from pagedserve import __version__
-from pagedserve.controller.batch_job import add_generate_arguments, run_generate_job
+from pagedserve.controller.generate_cli import add_generate_arguments, run_generate_job
 from pagedserve.controller.serve_cli import add_serve_parser, run_serve
 
 

@@ -50,12 +50,16 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=["ray", "local"], default=None,
+                    help="ray (the default path: controller and worker actors) or local "
+                         "(the engine in this process)")
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.min_len, args.max_len = 32, 16, 128
 
     llm = LLM(
         args.model,
+        backend=args.backend,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -83,7 +87,7 @@ def main() -> None:
     sched = after["time_schedule_s"] - before["time_schedule_s"]
     execute = after["time_execute_s"] - before["time_execute_s"]
     steps = after["num_steps"] - before["num_steps"]
-    print(f"workload={args.workload} requests={len(prompts)} input_tokens={in_tokens} "
+    print(f"backend={args.backend or 'ray'} workload={args.workload} requests={len(prompts)} input_tokens={in_tokens} "
           f"output_tokens={out_tokens}")
     print(f"elapsed_s={elapsed:.2f} output_tok_per_s={out_tokens / elapsed:.1f} "
           f"total_tok_per_s={(in_tokens + out_tokens) / elapsed:.1f} "

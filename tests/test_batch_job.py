@@ -17,12 +17,8 @@ import pytest
 from helpers.checkpoints import make_checkpoint
 
 from pagedserve.config import from_flat
-from pagedserve.controller.batch_job import (
-    add_generate_arguments,
-    id_key,
-    run_generate_job,
-    run_job,
-)
+from pagedserve.controller.batch_job import id_key, run_job
+from pagedserve.controller.generate_cli import add_generate_arguments, run_generate_job
 from pagedserve.controller.launch import start_engine
 from pagedserve.messages import SamplingParams
 
