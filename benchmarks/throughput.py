@@ -87,8 +87,8 @@ def main() -> None:
     sched = after["time_schedule_s"] - before["time_schedule_s"]
     execute = after["time_execute_s"] - before["time_execute_s"]
     steps = after["num_steps"] - before["num_steps"]
-    print(f"backend={args.backend or 'ray'} workload={args.workload} requests={len(prompts)} input_tokens={in_tokens} "
-          f"output_tokens={out_tokens}")
+    print(f"backend={args.backend or 'ray'} workload={args.workload} requests={len(prompts)} "
+          f"input_tokens={in_tokens} output_tokens={out_tokens}")
     print(f"elapsed_s={elapsed:.2f} output_tok_per_s={out_tokens / elapsed:.1f} "
           f"total_tok_per_s={(in_tokens + out_tokens) / elapsed:.1f} "
           f"req_per_s={len(prompts) / elapsed:.3f}")
