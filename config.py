@@ -25,6 +25,11 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Crosses process boundaries (Ray) with its own constructor's arguments.
+        return (type(self), (self.field, self.message))
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:

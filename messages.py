@@ -29,6 +29,11 @@ class SamplingParamsError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Crosses process boundaries (Ray) with its own constructor's arguments.
+        return (type(self), (self.field, self.message))
 
 
 def _is_int(v: Any) -> bool:

@@ -136,11 +136,14 @@ def start_controllers(
                     info["endpoint"], info, tokenizer=tokenizer, actor=actor, owns_actor=True
                 )
             )
-    except BaseException:
+    except BaseException as exc:
         for client in clients:
             client.shutdown()
         for actor in actors:
             ray.kill(actor, no_restart=True)
+        cause = getattr(exc, "cause", None)  # a RayTaskError carries what the controller raised
+        if isinstance(cause, Exception):
+            raise cause from None
         raise
     if dp == 1:
         return clients[0]

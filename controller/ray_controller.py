@@ -335,11 +335,18 @@ class Controller:
         from pagedserve.controller.tokenizer import load_tokenizer
 
         self.config = config
+        self._start_error: Exception | None = None
         t0 = time.monotonic()
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        executor = create_executor(config, backend=executor_backend)
-        tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
-        engine = EngineCore(config, executor, tokenizer=tokenizer)
+        try:
+            executor = create_executor(config, backend=executor_backend)
+            tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+            engine = EngineCore(config, executor, tokenizer=tokenizer)
+        except Exception as exc:
+            # Raised from ``info()`` instead: an actor whose constructor fails reaches the driver
+            # as a bare ActorDiedError, a failed method call as the original exception.
+            self._start_error = exc
+            return
         self.server = ReplicaServer(
             engine, model_name(config), host, replica_index=replica_index,
             stats_extra=self._placement,
@@ -357,7 +364,9 @@ class Controller:
         return {"placement_group": pg.id.hex() if pg is not None else None}
 
     def info(self) -> dict[str, Any]:
-        """What a client needs: the ZMQ endpoint and the model's facts."""
+        """What a client needs: the ZMQ endpoint and the model's facts (or why it never started)."""
+        if self._start_error is not None:
+            raise self._start_error
         engine = self.server.engine
         return {
             **self._placement(),

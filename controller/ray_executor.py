@@ -369,6 +369,12 @@ class RayExecutor:
                 try:
                     ray.get(ref, timeout=0)
                 except Exception as exc:
+                    cause = getattr(exc, "cause", None)
+                    if what == "load_model" and not isinstance(cause, (ray.exceptions.RayError,
+                                                                       type(None))):
+                        # The checkpoint itself is bad (missing, unsupported): every rank says
+                        # the same, and the user needs the loader's own typed error.
+                        raise cause from None
                     raise self._error(rank_of[ref], f"{what} failed: {_short(exc)}") from exc
         return ray.get(refs, timeout=0)  # type: ignore[no-any-return]
 

@@ -48,3 +48,10 @@ def test_flat_options_land_in_their_sections() -> None:
     c2 = c.replace(cache={"block_size": 8})
     assert c2.cache.block_size == 8 and c.cache.block_size == 32
     assert isinstance(c2, EngineConfig)
+
+
+def test_config_error_survives_pickling() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ConfigError("block_size", "must be a power of two")))
+    assert err.field == "block_size" and str(err) == "block_size: must be a power of two"

@@ -117,3 +117,10 @@ def test_sampling_params_name_the_bad_field(kwargs: dict, field: str) -> None:
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**kwargs)
     assert info.value.field == field
+
+
+def test_sampling_params_error_survives_pickling() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(SamplingParamsError("top_p", "must be in (0, 1]")))
+    assert err.field == "top_p" and "top_p" in str(err)

@@ -15,3 +15,8 @@ class UnsupportedModelError(ModelLoadError):
         super().__init__(f"{what}; supported architectures: {', '.join(supported)}")
         self.architecture = architecture
         self.supported = supported
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[str], str]]:
+        # Crosses process boundaries (Ray) intact, with its own constructor's arguments.
+        return (type(self), (self.architecture, self.supported, self.detail))
