@@ -24,10 +24,14 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter. ``loaded`` may also be a lazy checkpoint
+    tensor (anything with ``shape`` and ``narrow``): its slices are read only here."""
     if param.shape != loaded.shape:
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)}, loaded {tuple(loaded.shape)}"
         )
+    if not isinstance(loaded, torch.Tensor):
+        loaded = loaded.narrow(0, 0, loaded.shape[0])  # read it whole
     param.data.copy_(loaded)
 
 

@@ -108,12 +108,30 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """A checkpoint tensor not read yet. ``narrow`` reads only the rows (or columns) asked for,
+    so a tensor-parallel rank loads its own slices of the safetensors files and never the
+    others'. The parallel layers' weight loaders take it where they take a tensor."""
+
+    __slots__ = ("_slice", "shape")
+
+    def __init__(self, lazy_slice: Any) -> None:
+        self._slice = lazy_slice
+        self.shape = torch.Size(lazy_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+
+def iterate_weights(model_dir: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every checkpoint tensor by name, unread: valid until the iteration moves on."""
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointTensor(f.get_slice(name))
         except (OSError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot read weights from {file}: {exc}") from exc
 
