@@ -47,14 +47,25 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 240):
     return proc
 
 
+def _fresh_machine_commands() -> list[str]:
+    return re.findall(r"```bash\n(python3 -m venv .*?)\n```", README.read_text())
+
+
 def test_fresh_machine_test_command_is_what_ci_runs() -> None:
     ci = (README.parent / ".ci" / "run").read_text()
-    commands = re.findall(r"```bash\n(python3 -m venv .*?)\n```", README.read_text())
+    commands = _fresh_machine_commands()
     assert len(commands) == 2
-    run_cmd, test_cmd = commands
-    assert run_cmd.endswith('pagedserve generate --prompt "Hello, my name is" --max-tokens 32')
-    pytest_cmd = test_cmd.split("&& ")[-1]
+    pytest_cmd = commands[1].split("&& ")[-1]
     assert pytest_cmd in ci
+
+
+def test_fresh_machine_run_command_generates(tmp_path: Path, env: dict[str, str]) -> None:
+    # The part after the installs, with the console script of the environment under test.
+    generate = shlex.split(_fresh_machine_commands()[0].split("&& ")[-1])
+    assert generate[0] == "pagedserve"
+    generate[0] = str(Path(sys.executable).with_name("pagedserve"))
+    out = _run(generate, tmp_path, env).stdout
+    assert "(32 tokens, length)" in out
 
 
 def test_python_example(tmp_path: Path, env: dict[str, str]) -> None:
