@@ -6,12 +6,12 @@ virtual blocks and prefix caching on (the second round hits the cache).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from helpers.engine_run import generate
 
 from pagedserve.config import (
     CacheConfig,
@@ -50,20 +50,6 @@ def reference(checkpoint: Path) -> list[list[int]]:
     return [hf_greedy(model, p, MAX_NEW) for p in PROMPTS]
 
 
-def _generate(engine: EngineCore, prefix: str) -> list[list[int]]:
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"{prefix}{i}", p, GREEDY)
-    done: dict[str, list[int]] = {}
-    deadline = time.monotonic() + 120
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, "generation did not finish"
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"{prefix}{i}"] for i in range(len(PROMPTS))]
-
-
 @pytest.mark.parametrize("interleave", [1, BLOCK])
 def test_dcp2_tp2_equals_transformers(
     ray_local, checkpoint: Path, reference: list[list[int]], interleave: int, request
@@ -84,7 +70,8 @@ def test_dcp2_tp2_equals_transformers(
     stats = engine.stats()
     assert stats["kv_capacity_tokens"] == stats["kv_blocks_total"] * BLOCK * 2
 
-    assert _generate(engine, "a") == reference
+    assert generate(engine, PROMPTS, GREEDY, "a") == reference
     hits_before = engine.stats()["prefix_cache_hits"]
-    assert _generate(engine, "b") == reference  # same prompts again: served from the cache
+    # The same prompts again: served from the prefix cache.
+    assert generate(engine, PROMPTS, GREEDY, "b") == reference
     assert engine.stats()["prefix_cache_hits"] > hits_before

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from helpers.engine_run import generate
 from ray.util.placement_group import placement_group_table
 
 from pagedserve.config import (
@@ -80,17 +81,7 @@ def _ray_engine(request, config: EngineConfig, **engine_kwargs) -> EngineCore:
 
 
 def _generate(engine: EngineCore, prompts=PROMPTS, prefix: str = "r") -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, GREEDY)
-    done: dict[str, list[int]] = {}
-    deadline = time.monotonic() + 120
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, "generation did not finish"
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+    return generate(engine, prompts, GREEDY, prefix)
 
 
 # ---------------------------------------------------------------- pure placement helpers
