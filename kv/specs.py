@@ -29,6 +29,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _check_positive(spec: object, *names: str) -> None:
+    for name in names:
+        if getattr(spec, name) <= 0:
+            raise InvalidArgumentError(f"{name} must be positive")
+
+
+def _page_size_bytes(spec: KVCacheSpec) -> int:
+    """Bytes of one block in one layer: K and V, hence the 2."""
+    return 2 * spec.block_size * spec.num_kv_heads * spec.head_size * spec.dtype_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec:
     """Every token's K and V are kept for the request's whole life."""
@@ -39,14 +50,11 @@ class FullAttentionSpec:
     dtype_bytes: int
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_heads", "head_size", "dtype_bytes"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgumentError(f"{name} must be positive")
+        _check_positive(self, "block_size", "num_kv_heads", "head_size", "dtype_bytes")
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block in one layer: K and V, hence the 2."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+        return _page_size_bytes(self)
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
         return _cdiv(max_model_len, self.block_size)
@@ -67,13 +75,13 @@ class SlidingWindowSpec:
     sliding_window: int
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_heads", "head_size", "dtype_bytes", "sliding_window"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgumentError(f"{name} must be positive")
+        _check_positive(
+            self, "block_size", "num_kv_heads", "head_size", "dtype_bytes", "sliding_window"
+        )
 
     @property
     def page_size_bytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+        return _page_size_bytes(self)
 
     def max_blocks_per_request(self, max_model_len: int) -> int:
         # W-1 past tokens plus the current one; the +1 block is because the window need not
