@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "LLM": "pagedserve.controller.llm",
+    "LLM": "pagedserve.serving.llm",
     "SamplingParams": "pagedserve.messages",
     "RequestOutput": "pagedserve.messages",
     "CompletionOutput": "pagedserve.messages",

@@ -7,8 +7,8 @@ import logging
 import sys
 
 from pagedserve import __version__
-from pagedserve.controller.generate_cli import add_generate_arguments, run_generate_job
-from pagedserve.controller.serve_cli import add_serve_parser, run_serve
+from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
+from pagedserve.serving.serve_cli import add_serve_parser, run_serve
 
 
 def build_parser() -> argparse.ArgumentParser:

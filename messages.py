@@ -142,12 +142,39 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What a client receives for one request: the whole state so far, or a delta when streaming."""
+    """One request's whole output so far (built from its ``RequestDelta``s by an accumulator)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one completion gained in one engine step. Text is append-only: while stop strings
+    may still match, the engine holds back the characters that could start one."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One step's output of one request: the completions that progressed (only their new
+    tokens, text and logprobs), and whether the request is finished. ``error`` is set when the
+    engine failed the request (its unfinished completions end with ``finish_reason="error"``)."""
+
+    request_id: str
+    completions: list[CompletionDelta]
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
@@ -245,7 +272,7 @@ class ModelRunnerOutput:
 
 
 # --------------------------------------------------------------------------------------------
-# Clients <-> the controller actor (over ZeroMQ; see controller/ray_controller.py)
+# Clients <-> the engine loop (in-process, or over ZeroMQ through cluster/ray_controller.py)
 
 
 @dataclass(slots=True)
@@ -268,8 +295,8 @@ class AbortRequest:
 
 @dataclass(slots=True)
 class AddResult:
-    """Controller -> client: whether an ``AddRequest`` was accepted. ``error_type`` is the class
-    name of the refusal (a ``RequestError`` subclass, or ``EngineDeadError``); None: accepted."""
+    """Engine -> client: whether an ``AddRequest`` was accepted. ``error_type`` names the
+    refusal (see ``controller.errors.error_code``); None: accepted."""
 
     request_id: str
     error_type: str | None = None
@@ -278,17 +305,11 @@ class AddResult:
 
 @dataclass(slots=True)
 class OutputBatch:
-    """Controller -> client: every output of one engine step for that client, as **deltas**.
+    """Engine -> client: everything of one engine-loop iteration for that client: the verdicts
+    on its adds, then the step's deltas of its requests (request ids as the client sent them)."""
 
-    ``prompt`` and ``prompt_token_ids`` never travel back (None and empty: the client kept
-    them when it sent the request). Each completion's ``token_ids`` and ``logprobs`` hold only
-    what was added since the previous batch, and its ``text`` replaces the cumulative text from
-    character ``text_starts[i][j]`` on (append-only in practice; a stop string may cut text
-    already sent).
-    """
-
-    outputs: list[RequestOutput]
-    text_starts: list[list[int]]
+    results: list[AddResult]
+    outputs: list[RequestDelta]
 
 
 @dataclass(slots=True)
@@ -310,7 +331,7 @@ class EngineStatus:
 
 
 class StepFrame:
-    """Kinds of the step channel's frames (``[kind, body]``) between ``controller/wire.py`` and
+    """Kinds of the step channel's frames (``[kind, body]``) between ``cluster/wire.py`` and
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
@@ -349,6 +370,8 @@ _TAGGED: tuple[type, ...] = (
     OutputBatch,
     StatusRequest,
     EngineStatus,
+    CompletionDelta,
+    RequestDelta,
 )
 _TAG_OF: dict[type, int] = {cls: i + 1 for i, cls in enumerate(_TAGGED)}
 _CLS_OF: dict[int, type] = {i: cls for cls, i in _TAG_OF.items()}
@@ -356,14 +379,6 @@ _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TAGGED
 }
 
-
-def register_message(cls: type, tag: int) -> None:
-    """Add a message class owned by another module (tags >= 64 are reserved for those)."""
-    if tag < 64 or tag > 127 or tag in _CLS_OF:
-        raise ValueError(f"tag {tag} is taken or outside [64, 127]")
-    _TAG_OF[cls] = tag
-    _CLS_OF[tag] = cls
-    _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _default(obj: Any) -> Any:

@@ -35,8 +35,8 @@ from pagedserve.config import (
 )
 from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.executor import create_executor
-from pagedserve.controller.launch import resolve_model_dir
-from pagedserve.controller.ray_executor import ensure_ray
+from pagedserve.builder import resolve_model_dir
+from pagedserve.cluster.ray_executor import ensure_ray
 from pagedserve.messages import SamplingParams
 
 

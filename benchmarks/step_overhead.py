@@ -27,7 +27,7 @@ import time
 
 import ray
 
-from pagedserve.controller.wire import StepChannel
+from pagedserve.cluster.wire import StepChannel
 from pagedserve.messages import (
     CachedRequestData,
     ModelRunnerOutput,

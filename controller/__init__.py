@@ -1,10 +1,11 @@
-"""The controller: scheduler, engine core, executors and tokenizer I/O (no torch, no tensors).
+"""The engine core (pure Python: no torch, ray or zmq, never a tensor).
 
-* ``request``: ``Request`` and its stop conditions;
-* ``scheduler``: the token-budget scheduler over ``pagedserve.kv``;
-* ``engine_core``: ``EngineCore`` (validate -> schedule -> execute -> update);
-* ``executor``: the ``Executor`` protocol and the in-process ``LocalExecutor``;
-* ``tokenizer``: Hugging Face tokenizer loading and incremental detokenization;
-* ``errors``: typed request errors;
-* ``wire``: the ZMQ step channel to remote workers; ``llm``: the offline ``LLM`` API.
+* ``request``: ``Request`` and its stop conditions; ``scheduler``: the token-budget scheduler
+  over ``pagedserve.kv``; ``kv_plan``: the KV pool from the workers' report;
+* ``engine_core``: ``EngineCore`` (validate -> schedule -> execute -> update, per-step deltas);
+* ``outputs``: the delta contract and the accumulator of cumulative outputs;
+* ``loop``: ``EngineLoop``, the one engine loop; ``client``: ``EngineClient`` and the
+  in-process client;
+* ``executor``: the ``Executor`` protocol and ``LocalExecutor``; ``restarts``: the rebuild
+  policy; ``errors``: typed errors; ``tokenizer``: tokenizer I/O and incremental detokenization.
 """

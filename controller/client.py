@@ -1,58 +1,62 @@
-"""``EngineClient``: a thread-safe handle on a running engine, and the in-process one.
+"""``EngineClient``: a thread-safe handle on a running engine loop, and the in-process one.
 
 Front ends (the HTTP server, the batch job, ``LLM``) talk to an engine through this protocol
-only, so the same front end runs on an engine loop in this process or on the Ray controller
-actor behind ZeroMQ. Outputs are pushed: each request has a *sink* called with the request's
-cumulative ``RequestOutput`` whenever it progresses, the last call having ``finished=True``.
-Sinks run on the engine's thread and must not block; an asyncio front end hands them to its
-loop with ``call_soon_threadsafe``.
+only, so the same front end runs on an ``EngineLoop`` in this process or on the Ray controller
+actor behind ZeroMQ. Outputs are pushed: each request has a *sink* called with each of its
+``RequestDelta``s, the last one having ``finished=True``; ``OutputAccumulator`` builds the
+cumulative output for those who want it. Sinks run on a client thread and must not block; an
+asyncio front end hands them to its loop with ``call_soon_threadsafe``.
+
+``ClientBase`` holds what every client does alike (its requests' sinks, the verdicts of pending
+adds, failing everything once the engine is gone); a client adds how messages travel.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Any, Protocol
 
-from pagedserve.controller.engine_core import EngineCore
-from pagedserve.controller.errors import RequestError
+from pagedserve.controller.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    error_from_code,
+)
+from pagedserve.controller.loop import EngineLoop
+from pagedserve.controller.outputs import failed_delta
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.messages import CompletionOutput, RequestOutput, SamplingParams
+from pagedserve.messages import AbortRequest, AddRequest, EngineStatus, OutputBatch, RequestDelta
+
+__all__ = ["ClientBase", "EngineClient", "LocalEngineClient", "Sink"]
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[RequestOutput], None]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped (a worker died, or it was shut down); in-flight requests failed."""
+Sink = Callable[[RequestDelta], None]
 
 
 class EngineClient(Protocol):
     """What a front end may call. Every method is safe from any thread.
 
-    ``add_request`` validates synchronously and raises a ``RequestError`` subclass for bad
-    input (nothing is queued then) or ``EngineDeadError`` when the engine is down.
+    ``add_request`` waits for the engine's verdict and raises a ``RequestError`` subclass for
+    bad input (nothing is queued then) or ``EngineDeadError`` when the engine is down;
+    ``submit`` sends without waiting (adds pipeline) and its future raises the same.
     """
 
     model_name: str
     max_model_len: int
     vocab_size: int
+    block_size: int
     tokenizer: Tokenizer | None
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        sink: Sink,
-        *,
-        prompt: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None: ...
+    def add_request(self, request: AddRequest, sink: Sink) -> None: ...
+
+    def submit(self, request: AddRequest, sink: Sink) -> Future[None]: ...
+
+    def wait_added(self, fut: Future[None]) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -60,167 +64,157 @@ class EngineClient(Protocol):
 
     def is_healthy(self) -> bool: ...
 
+    @property
+    def error(self) -> str | None: ...
+
     def shutdown(self) -> None: ...
 
 
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sink: Sink
-    prompt: str | None
-    cache_salt: str | None
-    done: threading.Event
-    error: BaseException | None = None
+class ClientBase:
+    """The request table of a client. Subclasses implement ``_post`` (send a command) and call
+    ``_on_message`` with what the engine sends back, and ``_fail_all`` when it is gone."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    tokenizer: Tokenizer | None
+
+    def __init__(self, *, add_timeout_s: float = 120.0) -> None:
+        self._add_timeout_s = add_timeout_s
+        self._lock = threading.Lock()
+        self._requests: dict[str, tuple[Sink, int]] = {}  # id -> (sink, n)
+        self._adds: dict[str, deque[Future[None]]] = {}
+        self._dead: str | None = None
+
+    def _post(self, msg: AddRequest | AbortRequest) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ EngineClient
+    def add_request(self, request: AddRequest, sink: Sink) -> None:
+        self.wait_added(self.submit(request, sink))
+
+    def submit(self, request: AddRequest, sink: Sink) -> Future[None]:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        fut: Future[None] = Future()
+        with self._lock:
+            if request.request_id in self._requests:
+                raise DuplicateRequestError(
+                    f"request id {request.request_id!r} is already in use"
+                )
+            self._requests[request.request_id] = (sink, request.params.n)
+            self._adds.setdefault(request.request_id, deque()).append(fut)
+        self._post(request)
+        return fut
+
+    def wait_added(self, fut: Future[None]) -> None:
+        """Wait (bounded) for a submitted add's verdict; raises what ``add_request`` would."""
+        deadline = time.monotonic() + self._add_timeout_s
+        while True:
+            try:
+                fut.result(timeout=0.5)
+                return
+            except TimeoutError:
+                if self._dead is not None:
+                    raise EngineDeadError(self._dead) from None
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(
+                        f"the engine did not answer an add within {self._add_timeout_s} s"
+                    ) from None
+
+    def abort_request(self, request_id: str) -> None:
+        if self._dead is None:
+            self._post(AbortRequest(request_id))
+
+    @property
+    def error(self) -> str | None:
+        return self._dead
+
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ from the engine
+    def _on_message(self, msg: OutputBatch | EngineStatus) -> None:
+        if isinstance(msg, EngineStatus):
+            if not msg.healthy:
+                self._fail_all(msg.error or "the engine reported itself unhealthy")
+            return
+        for result in msg.results:
+            with self._lock:
+                futs = self._adds.get(result.request_id)
+                fut = futs.popleft() if futs else None
+                if futs is not None and not futs:
+                    del self._adds[result.request_id]
+                if result.error_type is not None:
+                    self._requests.pop(result.request_id, None)
+            if fut is None:
+                continue
+            if result.error_type is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error_from_code(result.error_type, result.error_message or ""))
+        for delta in msg.outputs:
+            entry = self._requests.get(delta.request_id)
+            if entry is None:
+                continue
+            if delta.finished:
+                with self._lock:
+                    self._requests.pop(delta.request_id, None)
+            _call(entry[0], delta)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = reason
+            requests, self._requests = self._requests, {}
+            adds, self._adds = self._adds, {}
+        for futs in adds.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(reason))
+        for request_id, (sink, n) in requests.items():
+            _call(sink, failed_delta(request_id, list(range(n)), reason))
 
 
-def failed_output(
-    request_id: str, prompt_token_ids: list[int], n: int, error: str
-) -> RequestOutput:
-    """The final output of a request that the engine could not finish."""
-    return RequestOutput(
-        request_id=request_id,
-        prompt=None,
-        prompt_token_ids=prompt_token_ids,
-        outputs=[CompletionOutput(i, "", [], finish_reason="error") for i in range(n)],
-        finished=True,
-        error=error,
-    )
+def _call(sink: Sink, delta: RequestDelta) -> None:
+    try:
+        sink(delta)
+    except Exception:  # a broken front end must not take the client down
+        logger.exception("output sink of request %s failed", delta.request_id)
 
 
-class EngineThread:
-    """Runs an ``EngineCore`` step loop on a background thread (an ``EngineClient``).
+class LocalEngineClient(ClientBase):
+    """The in-process client: an ``EngineLoop`` on a thread of this process. Its sinks run on
+    the loop thread. ``loop.engine`` is the core, for tests and diagnostics."""
 
-    Commands (add, abort) go through a queue drained between steps, so only the loop thread
-    ever touches the engine core; ``stats()`` reads a snapshot the loop publishes each step.
-    """
-
-    def __init__(self, engine: EngineCore, model_name: str, *, idle_wait_s: float = 0.05) -> None:
-        self.engine = engine
+    def __init__(self, loop: EngineLoop, model_name: str, **options: Any) -> None:
+        super().__init__(**options)
+        self.loop = loop
+        engine = loop.engine
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.block_size = engine.kv.block_size
         self.tokenizer = engine.tokenizer
-        self._idle_wait_s = idle_wait_s
-        self._commands: queue.SimpleQueue[_Add | str | None] = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[Sink, list[int], int]] = {}
-        self._stats: dict[str, Any] = engine.stats()
-        self._dead: str | None = None
-        self._thread = threading.Thread(target=self._loop, name="pagedserve-engine", daemon=True)
-        self._thread.start()
 
-    # ------------------------------------------------------------------ client side
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        sink: Sink,
-        *,
-        prompt: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        done = threading.Event()
-        cmd = _Add(request_id, prompt_token_ids, params, sink, prompt, cache_salt, done)
-        self._commands.put(cmd)
-        # Validation runs on the loop thread; its answer comes back within one step.
-        while not cmd.done.wait(1.0):
-            if self._dead is not None:
-                raise EngineDeadError(self._dead)
-        if cmd.error is not None:
-            raise cmd.error
+    @property
+    def engine(self) -> Any:
+        return self.loop.engine
 
-    def abort_request(self, request_id: str) -> None:
-        self._commands.put(request_id)
+    def _post(self, msg: AddRequest | AbortRequest) -> None:
+        self.loop.submit(self, msg)
+
+    def send(self, msg: OutputBatch | EngineStatus) -> None:
+        """The loop's ``Connection`` to this client."""
+        self._on_message(msg)
 
     def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+        return self.loop.stats()
 
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self.loop.is_healthy()
 
     def shutdown(self) -> None:
-        if self._thread.is_alive():
-            self._commands.put(None)
-            self._thread.join(timeout=30)
-        self.engine.shutdown()
-
-    # ------------------------------------------------------------------ loop side
-    def _loop(self) -> None:
-        try:
-            while True:
-                if not self._drain(block=not self.engine.has_unfinished()):
-                    break
-                for out in self.engine.step():
-                    self._deliver(out)
-                self._stats = self.engine.stats()
-        except Exception as exc:  # the engine is unusable: fail everything, loudly, once
-            logger.exception("engine loop died")
-            self._fail_all(f"engine failed: {exc!r}")
-        else:
-            self._fail_all("engine shut down")
-
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands (waiting briefly for one when idle); False on shutdown."""
-        cmds: list[_Add | str | None] = []
-        try:
-            if block:
-                cmds.append(self._commands.get(timeout=self._idle_wait_s))
-            while True:
-                cmds.append(self._commands.get_nowait())
-        except queue.Empty:
-            pass
-        for cmd in cmds:
-            if cmd is None:
-                return False
-            if isinstance(cmd, _Add):
-                self._add(cmd)
-            else:
-                out = self.engine.abort_request(cmd)
-                if out is not None:
-                    self._deliver(out)
-        return True
-
-    def _add(self, cmd: _Add) -> None:
-        try:
-            self.engine.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                prompt=cmd.prompt, cache_salt=cmd.cache_salt,
-            )
-            self._sinks[cmd.request_id] = (cmd.sink, cmd.prompt_token_ids, cmd.params.n)
-        except (RequestError, ValueError) as exc:
-            cmd.error = exc
-        finally:
-            cmd.done.set()
-
-    def _deliver(self, out: RequestOutput) -> None:
-        entry = self._sinks.get(out.request_id)
-        if entry is None:
-            return
-        if out.finished:
-            del self._sinks[out.request_id]
-        try:
-            entry[0](out)
-        except Exception:  # a broken front end must not take the engine down
-            logger.exception("output sink of request %s failed", out.request_id)
-
-    def _fail_all(self, reason: str) -> None:
-        self._dead = reason
-        sinks, self._sinks = self._sinks, {}
-        for request_id, (sink, prompt_ids, n) in sinks.items():
-            try:
-                sink(failed_output(request_id, prompt_ids, n, reason))
-            except Exception:
-                logger.exception("output sink of request %s failed", request_id)
-        # Unblock anyone waiting on an add that will never be applied.
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Add):
-                cmd.error = EngineDeadError(reason)
-                cmd.done.set()
+        self.loop.stop()
+        self._fail_all("the client was shut down")

@@ -1,7 +1,9 @@
-"""Typed errors for requests the engine refuses.
+"""Typed errors: requests the engine refuses, and the engine being down.
 
-Every error is raised at admission, before the engine changes any state, so a caller that catches
-``RequestError`` can carry on and the other requests are unaffected.
+Every ``RequestError`` is raised at admission, before the engine changes any state, so a caller
+that catches it can carry on and the other requests are unaffected. A refusal travels to clients
+as an ``AddResult`` naming its code (``error_code``), and ``error_from_code`` raises the same
+class on the other side, in-process and over the wire alike.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from pagedserve.kv.errors import RequestTooLargeError as _KVRequestTooLargeError
 
 __all__ = [
     "DuplicateRequestError",
+    "EngineDeadError",
     "EmptyPromptError",
     "InvalidTokenError",
     "PromptTooLongError",
@@ -17,6 +20,8 @@ __all__ = [
     "RequestTooLargeError",
     "UnknownRequestError",
     "UnsupportedRequestError",
+    "error_code",
+    "error_from_code",
 ]
 
 
@@ -54,3 +59,36 @@ class RequestTooLargeError(RequestError, _KVRequestTooLargeError):
 
 class UnknownRequestError(RequestError, KeyError):
     """No unfinished request has this id."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (its workers could not be rebuilt, or it was shut down); in-flight
+    requests failed."""
+
+
+_BY_CODE: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        RequestError,
+        EmptyPromptError,
+        PromptTooLongError,
+        InvalidTokenError,
+        DuplicateRequestError,
+        UnsupportedRequestError,
+        RequestTooLargeError,
+        UnknownRequestError,
+        EngineDeadError,
+    )
+}
+
+
+def error_code(exc: BaseException) -> str:
+    """The code an ``AddResult`` carries for ``exc``: its class name when it is one of ours,
+    else ``RequestError`` (a ``ValueError`` from parameter checks)."""
+    name = type(exc).__name__
+    return name if name in _BY_CODE else "RequestError"
+
+
+def error_from_code(code: str, message: str) -> Exception:
+    """The exception an ``AddResult`` refusal stands for."""
+    return _BY_CODE.get(code, RequestError)(message)

@@ -1,42 +1,19 @@
 """Executors: how the engine core reaches its workers.
 
-The engine core talks to an ``Executor`` only. ``LocalExecutor`` runs one ``Worker`` in this
-process; the Ray executor (elsewhere) fans the same calls out to worker actors. The worker
-module is imported by its path string inside ``LocalExecutor`` so that the controller's static
-import graph never reaches torch (import-linter checks it).
+The engine core talks to an ``Executor`` only. ``LocalExecutor`` runs one worker in this process,
+made by a factory the composition root (``pagedserve.builder``) hands it, so nothing here names
+the workers; the Ray executor (``cluster/ray_executor.py``) fans the same calls out to worker
+actors.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from pagedserve.config import EngineConfig
-from pagedserve.messages import (
-    KVCacheLayout,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    WorkerReport,
-    decode,
-    encode,
-)
+from pagedserve.messages import KVCacheLayout, ModelRunnerOutput, SchedulerOutput, WorkerReport
 
-__all__ = [
-    "Executor",
-    "ExecutorError",
-    "LocalExecutor",
-    "WorkerGroupError",
-    "check_wire_default",
-    "create_executor",
-    "wire_roundtrip",
-]
-
-WORKER_MODULE = "pagedserve.workers.worker"
-RAY_EXECUTOR_MODULE = "pagedserve.controller.ray_executor"
-CHECK_WIRE_ENV = "PAGEDSERVE_CHECK_WIRE"
-
-T = TypeVar("T")
+__all__ = ["Executor", "ExecutorError", "LocalExecutor", "WorkerGroupError", "WorkerLike"]
 
 
 class ExecutorError(RuntimeError):
@@ -59,8 +36,9 @@ class WorkerGroupError(ExecutorError):
 
 
 class Executor(Protocol):
-    """The engine core's only handle on the workers. Calls are synchronous and in this order:
-    ``initialize`` once, ``init_kv_cache`` once, ``execute`` per step, ``shutdown`` once."""
+    """The engine core's only handle on the workers. Calls are synchronous: ``initialize``
+    once, ``init_kv_cache`` once, then ``execute`` per step (``check_failure`` between steps),
+    ``restart`` after a failure, ``shutdown`` once."""
 
     def initialize(self) -> WorkerReport:
         """Start the workers, load the model; report KV needs, byte budget and vocab size."""
@@ -71,77 +49,68 @@ class Executor(Protocol):
         ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; return the tokens sampled by the output rank."""
+        """Run one step; return the tokens sampled by the output rank. Raises
+        ``WorkerGroupError`` when the group failed."""
+        ...
+
+    def check_failure(self) -> WorkerGroupError | None:
+        """A failure found between steps (a rank died while idle), else None."""
+        ...
+
+    def restart(self) -> WorkerReport:
+        """Tear the worker group down and rebuild it with the same KV layout."""
         ...
 
     def shutdown(self) -> None: ...
 
-    # Optional, duck-typed (``RayExecutor`` has both; ``LocalExecutor`` neither):
-    # ``restart() -> WorkerReport`` tears the worker group down and rebuilds it with the same KV
-    # layout; ``failure -> WorkerGroupError | None`` is a failure its monitor found between steps.
 
+class WorkerLike(Protocol):
+    """What ``LocalExecutor`` needs of a worker (``workers.worker.Worker`` is one)."""
 
-def create_executor(config: EngineConfig, *, backend: str = "ray", **options: Any) -> Executor:
-    """The executor for ``config``: ``"ray"`` (worker actors in a placement group; Ray must be
-    initialised, see ``ray_executor.ensure_ray``) or ``"local"`` (one in-process worker, only for
-    tensor_parallel_size 1). ``options`` go to the executor's constructor."""
-    if backend == "local":
-        tp = config.parallel.tensor_parallel_size
-        if tp != 1:
-            raise ValueError(f"the local executor runs one rank; tensor_parallel_size is {tp}")
-        return LocalExecutor(config, **options)
-    if backend == "ray":
-        executor: Executor = importlib.import_module(RAY_EXECUTOR_MODULE).RayExecutor(
-            config, **options
-        )
-        return executor
-    raise ValueError(f"unknown executor backend {backend!r}; use 'ray' or 'local'")
+    def load_model(self) -> WorkerReport: ...
 
+    def init_kv_cache(self, layout: KVCacheLayout) -> None: ...
 
-def check_wire_default() -> bool:
-    """Debug switch: ``PAGEDSERVE_CHECK_WIRE=1`` sends every in-process message through the
-    msgpack codec, so a message that would not survive a process boundary fails at once."""
-    return os.environ.get(CHECK_WIRE_ENV, "0") not in ("", "0", "false", "False")
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
-
-def wire_roundtrip(message: T) -> T:
-    """``decode(encode(message))``: what a remote worker would receive."""
-    out: Any = decode(encode(message))
-    if type(out) is not type(message):
-        raise TypeError(f"{type(message).__name__} decoded as {type(out).__name__}")
-    return out  # type: ignore[no-any-return]
+    def shutdown(self) -> None: ...
 
 
 class LocalExecutor:
-    """One worker (rank 0) in this process; no Ray, no sockets."""
+    """One worker (rank 0) in this process; no Ray, no sockets. ``restart`` makes a new one."""
 
-    def __init__(self, config: EngineConfig, *, check_wire: bool | None = None) -> None:
-        self.config = config
-        self.check_wire = check_wire_default() if check_wire is None else check_wire
-        self._worker: Any = None
+    def __init__(self, make_worker: Callable[[], WorkerLike]) -> None:
+        self._make_worker = make_worker
+        self._worker: WorkerLike | None = None
+        self._layout: KVCacheLayout | None = None
 
     def initialize(self) -> WorkerReport:
-        worker_cls = importlib.import_module(WORKER_MODULE).Worker
-        self._worker = worker_cls(self.config, rank=0)
-        report: WorkerReport = self._worker.load_model()
-        return wire_roundtrip(report) if self.check_wire else report
+        self._worker = self._make_worker()
+        return self._worker.load_model()
 
     def init_kv_cache(self, layout: KVCacheLayout) -> None:
-        self._require_worker().init_kv_cache(wire_roundtrip(layout) if self.check_wire else layout)
+        self._layout = layout
+        self._require_worker().init_kv_cache(layout)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        worker = self._require_worker()
-        if self.check_wire:
-            out: ModelRunnerOutput = worker.execute(wire_roundtrip(scheduler_output))
-            return wire_roundtrip(out)
-        return worker.execute(scheduler_output)  # type: ignore[no-any-return]
+        return self._require_worker().execute(scheduler_output)
+
+    def check_failure(self) -> WorkerGroupError | None:
+        return None  # an in-process worker fails inside execute, never between steps
+
+    def restart(self) -> WorkerReport:
+        self.shutdown()
+        report = self.initialize()
+        if self._layout is not None:
+            self._require_worker().init_kv_cache(self._layout)
+        return report
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
 
-    def _require_worker(self) -> Any:
+    def _require_worker(self) -> WorkerLike:
         if self._worker is None:
             raise RuntimeError("LocalExecutor.initialize() has not been called")
         return self._worker

@@ -93,6 +93,11 @@ class Request:
         self.num_sent_tokens = 0
         """How many of ``all_token_ids`` the workers hold; 0 while they do not know the request
         (never scheduled, or dropped on preemption)."""
+        # How much of the output the engine has handed out as deltas (see outputs.take_delta).
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
+        self.num_emitted_logprobs = 0
+        self.emitted_final = False
         self.block_hashes: list[bytes] = []
         self._hasher = hasher
         self._update_block_hashes()

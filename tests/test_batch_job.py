@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from helpers.checkpoints import make_checkpoint
 
+from pagedserve.builder import start_engine
 from pagedserve.config import from_flat
-from pagedserve.controller.batch_job import id_key, run_job
-from pagedserve.controller.generate_cli import add_generate_arguments, run_generate_job
-from pagedserve.controller.launch import start_engine
 from pagedserve.messages import SamplingParams
+from pagedserve.serving.batch_job import id_key, run_job
+from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
 
 MAX_MODEL_LEN = 96
 ENGINE = {"max_model_len": MAX_MODEL_LEN, "num_gpu_blocks": 128, "block_size": 16}

@@ -11,29 +11,34 @@ import queue
 import time
 
 import pytest
+from helpers.sinks import add
 
+from pagedserve.cluster.ray_controller import ReplicaServer
+from pagedserve.cluster.remote_client import RemoteEngineClient
 from pagedserve.config import from_flat
-from pagedserve.controller.client import EngineDeadError
 from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.errors import (
     EmptyPromptError,
+    EngineDeadError,
     InvalidTokenError,
     PromptTooLongError,
     RequestError,
+    error_code,
+    error_from_code,
 )
-from pagedserve.controller.output_deltas import OutputDeltas, OutputMerger
-from pagedserve.controller.ray_controller import ReplicaServer
-from pagedserve.controller.remote_client import RemoteEngineClient, error_from_result
+from pagedserve.controller.loop import EngineLoop
+from pagedserve.controller.outputs import OutputAccumulator
 from pagedserve.messages import (
     AbortRequest,
     AddRequest,
     AddResult,
-    CompletionOutput,
+    CompletionDelta,
     EngineStatus,
     KVCacheLayout,
     LayerKVSpec,
     ModelRunnerOutput,
     OutputBatch,
+    RequestDelta,
     RequestOutput,
     SamplingParams,
     SchedulerOutput,
@@ -55,10 +60,9 @@ def test_round_trip() -> None:
         AddResult("r1"),
         AddResult("r2", "PromptTooLongError", "too long"),
         OutputBatch(
-            [RequestOutput("r1", None, [], [CompletionOutput(0, "ab", [5, 6], "stop", "x",
-                                                              [{5: -0.5, 7: -1.0}], -0.5)],
-                           True, 16, None)],
-            [[3]],
+            [AddResult("r2", "PromptTooLongError", "too long")],
+            [RequestDelta("r1", [CompletionDelta(0, [5, 6], "ab", [{5: -0.5, 7: -1.0}], "stop",
+                                                 "x", -0.5)], True, 16, None)],
         ),
         StatusRequest(7),
         EngineStatus(True, {"num_running_reqs": 2, "kv_usage": 0.5}, None, 7),
@@ -69,30 +73,24 @@ def test_round_trip() -> None:
 
 
 def test_error_types_map_back() -> None:
-    assert isinstance(error_from_result(AddResult("a", "PromptTooLongError", "m")),
-                      PromptTooLongError)
-    assert isinstance(error_from_result(AddResult("a", "EngineDeadError", "m")), EngineDeadError)
-    err = error_from_result(AddResult("a", "SomethingNewError", "m"))
+    assert isinstance(error_from_code("PromptTooLongError", "m"), PromptTooLongError)
+    assert isinstance(error_from_code("EngineDeadError", "m"), EngineDeadError)
+    err = error_from_code("SomethingNewError", "m")
     assert type(err) is RequestError
+    assert error_code(PromptTooLongError("x")) == "PromptTooLongError"
+    assert error_code(ValueError("x")) == "RequestError"
 
 
 def test_deltas_rebuild_cumulative_outputs() -> None:
-    deltas = OutputDeltas()
-    tracked = OutputMerger(lambda out: None, "p", [1, 2], 1)
-    texts = ["he", "hello", "hello wor", "hello"]  # the last one: a stop string cut it
-    for i, text in enumerate(texts):
-        cum = RequestOutput(
-            "k", "p", [1, 2],
-            [CompletionOutput(0, text, list(range(i + 1)), "stop" if i == 3 else None)],
-            finished=i == 3,
-        )
-        delta, starts = deltas.delta(cum, "k")
-        assert delta.prompt_token_ids == []
-        wire = decode(encode(OutputBatch([delta], [starts])))
-        out = tracked.merge(wire.outputs[0], wire.text_starts[0])
-        assert out.outputs[0].text == text and out.outputs[0].token_ids == list(range(i + 1))
-        assert out.prompt_token_ids == [1, 2] and out.prompt == "p"
-    assert deltas._sent == {}
+    acc = OutputAccumulator("k", "p", [1, 2], 1)
+    pieces = [("he", [0]), ("llo", [1]), (" wor", [2])]
+    for i, (text, toks) in enumerate(pieces):
+        last = i == len(pieces) - 1
+        delta = RequestDelta("k", [CompletionDelta(0, toks, text, None, "stop" if last else None)],
+                             finished=last)
+        out = acc.add(decode(encode(OutputBatch([], [delta]))).outputs[0])
+    assert out.outputs[0].text == "hello wor" and out.outputs[0].token_ids == [0, 1, 2]
+    assert out.prompt_token_ids == [1, 2] and out.prompt == "p" and out.finished
 
 
 class TinyExecutor:
@@ -134,6 +132,12 @@ class TinyExecutor:
         out.sampled_token_ids = list(done.values())
         return out
 
+    def check_failure(self) -> None:
+        return None
+
+    def restart(self) -> WorkerReport:
+        return self.initialize()
+
     def shutdown(self) -> None:
         pass
 
@@ -150,8 +154,8 @@ def expected(prompt: list[int], n: int) -> list[int]:
 def served():
     cfg = from_flat(block_size=4, num_gpu_blocks=64, max_model_len=64, max_num_batched_tokens=64)
     core = EngineCore(cfg, TinyExecutor(step_s=0.01), tokenizer=None, eos_token_ids=())
-    server = ReplicaServer(core, "tiny")
-    info = {"model_name": "tiny", "max_model_len": 64, "vocab_size": VOCAB}
+    server = ReplicaServer(EngineLoop(core), "tiny")
+    info = {"model_name": "tiny", "max_model_len": 64, "vocab_size": VOCAB, "block_size": 4}
     clients: list[RemoteEngineClient] = []
 
     def connect(**kw) -> RemoteEngineClient:
@@ -180,16 +184,16 @@ def test_generate_refuse_abort_over_zmq(served) -> None:
     client = connect()
     q: queue.SimpleQueue = queue.SimpleQueue()
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    client.add_request("a", [1, 2, 3], greedy, q.put)
+    add(client, "a", [1, 2, 3], greedy, q.put)
     with pytest.raises(PromptTooLongError):
-        client.add_request("long", list(range(1, 80)), greedy, q.put)
+        add(client, "long", list(range(1, 80)), greedy, q.put)
     with pytest.raises(InvalidTokenError):
-        client.add_request("bad", [1, VOCAB + 5], greedy, q.put)
+        add(client, "bad", [1, VOCAB + 5], greedy, q.put)
     with pytest.raises(EmptyPromptError):
-        client.add_request("empty", [], greedy, q.put)
-    client.add_request("b", [4, 5], greedy, q.put)
+        add(client, "empty", [], greedy, q.put)
+    add(client, "b", [4, 5], greedy, q.put)
     slow = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    client.add_request("c", [9], slow, q.put)
+    add(client, "c", [9], slow, q.put)
     client.abort_request("c")
     got = _collect(q, 3)
     assert got["a"].outputs[0].token_ids == expected([1, 2, 3], 5)
@@ -200,7 +204,7 @@ def test_generate_refuse_abort_over_zmq(served) -> None:
     assert stats["kv_blocks_used"] == 0 and client.is_healthy()
 
     # n > 1: every completion comes back, rebuilt from its deltas.
-    client.add_request("pair", [3, 4], SamplingParams(n=2, max_tokens=4, ignore_eos=True), q.put)
+    add(client, "pair", [3, 4], SamplingParams(n=2, max_tokens=4, ignore_eos=True), q.put)
     pair = _collect(q, 1)["pair"]
     assert [c.index for c in pair.outputs] == [0, 1]
     assert all(c.token_ids == expected([3, 4], 4) for c in pair.outputs)
@@ -208,19 +212,19 @@ def test_generate_refuse_abort_over_zmq(served) -> None:
     # A second client may reuse the same request ids.
     other = connect()
     q2: queue.SimpleQueue = queue.SimpleQueue()
-    other.add_request("a", [7], greedy, q2.put)
+    add(other, "a", [7], greedy, q2.put)
     assert _collect(q2, 1)["a"].outputs[0].token_ids == expected([7], 5)
 
 
 def test_engine_death_reaches_client() -> None:
     cfg = from_flat(block_size=4, num_gpu_blocks=64, max_model_len=64)
     core = EngineCore(cfg, TinyExecutor(fail_at_step=3), tokenizer=None, eos_token_ids=())
-    server = ReplicaServer(core, "tiny")
+    server = ReplicaServer(EngineLoop(core), "tiny")
     client = RemoteEngineClient(server.endpoint, {"model_name": "t", "max_model_len": 64,
-                                                  "vocab_size": VOCAB})
+                                                  "vocab_size": VOCAB, "block_size": 4})
     try:
         q: queue.SimpleQueue = queue.SimpleQueue()
-        client.add_request("a", [1], SamplingParams(max_tokens=20, ignore_eos=True), q.put)
+        add(client, "a", [1], SamplingParams(max_tokens=20, ignore_eos=True), q.put)
         out = _collect(q, 1)["a"]
         assert out.error is not None and "boom" in out.error
         deadline = time.monotonic() + 5
@@ -228,7 +232,7 @@ def test_engine_death_reaches_client() -> None:
             time.sleep(0.05)
         assert not client.is_healthy()
         with pytest.raises(EngineDeadError):
-            client.add_request("b", [1], SamplingParams(), q.put)
+            add(client, "b", [1], SamplingParams(), q.put)
     finally:
         client.shutdown()
         server.shutdown()

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from pagedserve.controller.wire import (
+from pagedserve.cluster.wire import (
     BadFrameError,
     HandshakeError,
     HandshakeTimeoutError,

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers.driver import drive
 
 from pagedserve.config import from_flat
 from pagedserve.controller.engine_core import EngineCore
@@ -80,6 +81,14 @@ class FakeExecutor:
 
     def shutdown(self) -> None:
         self.shut = True
+
+    def check_failure(self) -> None:
+        return None
+
+    def restart(self) -> WorkerReport:
+        self.rows.clear()
+        self.pool.clear()
+        return self.initialize()
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.check_wire:
@@ -169,7 +178,7 @@ def make_engine(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
     )
-    return EngineCore(cfg, executor or FakeExecutor(), **kwargs)
+    return drive(EngineCore(cfg, executor or FakeExecutor(), **kwargs))
 
 
 def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> dict[str, RequestOutput]:

@@ -1,13 +1,15 @@
-"""EngineThread: the in-process EngineClient, over the fake executor of conftest."""
+"""LocalEngineClient: the in-process EngineClient, over the fake executor of conftest."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
+from helpers.sinks import add
 
-from pagedserve.controller.client import EngineDeadError, EngineThread
-from pagedserve.controller.errors import EmptyPromptError
+from pagedserve.controller.client import LocalEngineClient
+from pagedserve.controller.errors import EmptyPromptError, EngineDeadError
+from pagedserve.controller.loop import EngineLoop
 from pagedserve.messages import RequestOutput, SamplingParams
 
 
@@ -23,11 +25,11 @@ class Collector:
 
 
 def test_requests_stream_to_their_sinks(kit) -> None:
-    client = EngineThread(kit.make_engine(), "fake")
+    client = LocalEngineClient(EngineLoop(kit.make_engine().core), "fake")
     try:
         sinks = [Collector() for _ in range(3)]
         for i, sink in enumerate(sinks):
-            client.add_request(
+            add(client, 
                 f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), sink
             )
         for sink in sinks:
@@ -43,22 +45,22 @@ def test_requests_stream_to_their_sinks(kit) -> None:
 
 
 def test_bad_request_raises_and_others_continue(kit) -> None:
-    client = EngineThread(kit.make_engine(), "fake")
+    client = LocalEngineClient(EngineLoop(kit.make_engine().core), "fake")
     try:
         with pytest.raises(EmptyPromptError):
-            client.add_request("bad", [], SamplingParams(), Collector())
+            add(client, "bad", [], SamplingParams(), Collector())
         ok = Collector()
-        client.add_request("ok", [9, 9], SamplingParams(max_tokens=2, ignore_eos=True), ok)
+        add(client, "ok", [9, 9], SamplingParams(max_tokens=2, ignore_eos=True), ok)
         assert ok.done.wait(10)
     finally:
         client.shutdown()
 
 
 def test_abort_finishes_with_abort_and_frees_blocks(kit) -> None:
-    client = EngineThread(kit.make_engine(), "fake")
+    client = LocalEngineClient(EngineLoop(kit.make_engine().core), "fake")
     try:
         sink = Collector()
-        client.add_request("long", [3] * 20, SamplingParams(max_tokens=200,
+        add(client, "long", [3] * 20, SamplingParams(max_tokens=200,
                                                             ignore_eos=True), sink)
         client.abort_request("long")
         assert sink.done.wait(10)
@@ -70,18 +72,18 @@ def test_abort_finishes_with_abort_and_frees_blocks(kit) -> None:
 
 def test_dead_engine_fails_requests_and_refuses_new_ones(kit) -> None:
     engine = kit.make_engine()
-    client = EngineThread(engine, "fake")
+    client = LocalEngineClient(EngineLoop(engine.core), "fake")
     try:
         def boom(_):
             raise RuntimeError("worker exploded")
 
         engine.executor.execute = boom
         sink = Collector()
-        client.add_request("r", [4, 4], SamplingParams(max_tokens=3, ignore_eos=True), sink)
+        add(client, "r", [4, 4], SamplingParams(max_tokens=3, ignore_eos=True), sink)
         assert sink.done.wait(10)
         assert sink.outputs[-1].error and "worker exploded" in sink.outputs[-1].error
         assert not client.is_healthy()
         with pytest.raises(EngineDeadError):
-            client.add_request("r2", [4], SamplingParams(), Collector())
+            add(client, "r2", [4], SamplingParams(), Collector())
     finally:
         client.shutdown()

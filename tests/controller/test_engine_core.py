@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
+from helpers.driver import drive
 
 from pagedserve.config import from_flat
 from pagedserve.controller.engine_core import EngineCore, child_seed
@@ -183,20 +183,19 @@ class _EchoWorker:
         self.closed = True
 
 
-def test_local_executor_loads_worker_by_path_and_checks_the_wire(monkeypatch):
-    module = types.ModuleType("fake_pagedserve_worker")
-    module.Worker = _EchoWorker
-    monkeypatch.setitem(sys.modules, "fake_pagedserve_worker", module)
-    monkeypatch.setattr("pagedserve.controller.executor.WORKER_MODULE", "fake_pagedserve_worker")
+def test_local_executor_runs_the_worker_its_factory_makes_and_rebuilds_it():
     cfg = from_flat(block_size=4)
-    eng = EngineCore(cfg, LocalExecutor(cfg, check_wire=True))
+    eng = drive(EngineCore(cfg, LocalExecutor(lambda: _EchoWorker(cfg))))
     worker = _EchoWorker.instances[-1]
     assert worker.layout.block_size == 4 and eng.max_model_len == 32
     eng.add_request("a", [3, 4, 5], SamplingParams(max_tokens=3))
     while eng.has_unfinished():
         eng.step()
-    # Each step reached the worker as a decoded copy, not the scheduler's own object.
     assert worker.seen and all(isinstance(so, SchedulerOutput) for so in worker.seen)
+    # A restart shuts the worker down and makes a new one with the same KV layout.
+    eng.executor.restart()
+    assert worker.closed and _EchoWorker.instances[-1] is not worker
+    assert _EchoWorker.instances[-1].layout == worker.layout
     eng.shutdown()
     assert worker.closed
 

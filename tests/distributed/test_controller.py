@@ -13,11 +13,11 @@ import time
 import pytest
 import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from helpers.sinks import add
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.controller.client import EngineDeadError
-from pagedserve.controller.errors import InvalidTokenError, PromptTooLongError
-from pagedserve.controller.remote_client import RemoteEngineClient
+from pagedserve.cluster.remote_client import RemoteEngineClient
+from pagedserve.controller.errors import EngineDeadError, InvalidTokenError, PromptTooLongError
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -77,7 +77,7 @@ def test_abort_over_the_wire_frees_blocks(llm) -> None:
     client = llm.client
     q: queue.SimpleQueue = queue.SimpleQueue()
     long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-    client.add_request("long", _prompts(2, (20,))[0], long, q.put)
+    add(client, "long", _prompts(2, (20,))[0], long, q.put)
     first = q.get(timeout=60)
     assert not first.finished and first.prompt_token_ids
     client.abort_request("long")
@@ -92,11 +92,11 @@ def test_bad_requests_raise_typed_errors_others_unaffected(llm) -> None:
     client = llm.client
     q: queue.SimpleQueue = queue.SimpleQueue()
     good = _prompts(3, (7,))[0]
-    client.add_request("good", good, GREEDY, q.put)
+    add(client, "good", good, GREEDY, q.put)
     with pytest.raises(PromptTooLongError):
-        client.add_request("too-long", [5] * 200, GREEDY, q.put)
+        add(client, "too-long", [5] * 200, GREEDY, q.put)
     with pytest.raises(InvalidTokenError):
-        client.add_request("oov", [5, 10_000], GREEDY, q.put)
+        add(client, "oov", [5, 10_000], GREEDY, q.put)
     out = _finals(q, 1)["good"]
     assert out.error is None and len(out.outputs[0].token_ids) == MAX_NEW
     (again,) = llm.generate([good], GREEDY, use_tqdm=False)
@@ -109,7 +109,7 @@ def test_worker_death_fails_in_flight_then_the_replica_serves_again(llm) -> None
     (worker,) = ray.get(client.actor.worker_actors.remote(), timeout=30)
     q: queue.SimpleQueue = queue.SimpleQueue()
     long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-    client.add_request("victim", [11] * 20, long, q.put)
+    add(client, "victim", [11] * 20, long, q.put)
     assert not q.get(timeout=60).finished
     ray.kill(worker, no_restart=True)
     out = _finals(q, 1)["victim"]
@@ -130,7 +130,7 @@ def test_killing_the_controller_leaves_no_workers_and_fails_fast(llm) -> None:
     workers = ray.get(actor.worker_actors.remote(), timeout=30)
     assert workers, "the controller should run its model on worker actors"
     q: queue.SimpleQueue = queue.SimpleQueue()
-    client.add_request("doomed", [7] * 10, SamplingParams(max_tokens=100,
+    add(client, "doomed", [7] * 10, SamplingParams(max_tokens=100,
                                                            ignore_eos=True), q.put)
     ray.kill(actor, no_restart=True)
     start = time.monotonic()
@@ -139,7 +139,7 @@ def test_killing_the_controller_leaves_no_workers_and_fails_fast(llm) -> None:
     assert not client.is_healthy(), "the client did not notice the controller's death"
     assert time.monotonic() - start < 10
     with pytest.raises(EngineDeadError):
-        client.add_request("after", [7], GREEDY, q.put)
+        add(client, "after", [7], GREEDY, q.put)
     for worker in workers:  # owned by the controller, so gone with it
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(worker.ping.remote(), timeout=30)

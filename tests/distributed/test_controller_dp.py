@@ -9,7 +9,7 @@ import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.controller.router import Router
+from pagedserve.cluster.router import Router
 
 MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

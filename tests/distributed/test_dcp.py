@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from helpers.driver import drive
 from helpers.engine_run import generate
+from helpers.ray_group import ray_executor
 
+from pagedserve.cluster.ray_executor import ensure_ray
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
@@ -21,7 +24,6 @@ from pagedserve.config import (
     SchedulerConfig,
 )
 from pagedserve.controller.engine_core import EngineCore
-from pagedserve.controller.ray_executor import RayExecutor, ensure_ray
 from pagedserve.messages import SamplingParams
 
 BLOCK = 4
@@ -62,9 +64,9 @@ def test_dcp2_tp2_equals_transformers(
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8),
     )
-    executor = RayExecutor(config, placement_timeout_s=30, ready_timeout_s=120, step_timeout_s=60)
+    executor = ray_executor(config, ready_timeout_s=120, step_timeout_s=60)
     request.addfinalizer(executor.shutdown)
-    engine = EngineCore(config, executor, eos_token_ids=())
+    engine = drive(EngineCore(config, executor, eos_token_ids=()))
     # The manager allocates virtual blocks of B x dcp tokens; capacity in tokens doubles.
     assert engine.kv.block_size == BLOCK * 2
     stats = engine.stats()

@@ -7,11 +7,14 @@ import time
 
 import pytest
 from helpers.checkpoints import make_checkpoint
+from helpers.driver import drive
 
+from pagedserve.builder import make_executor
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pagedserve.controller.client import EngineDeadError
 from pagedserve.controller.engine_core import EngineCore
+from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.executor import LocalExecutor, WorkerGroupError
+from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.messages import SamplingParams
 
 PROMPT = list(range(3, 40))  # several full blocks of 4: prefix-cacheable
@@ -23,12 +26,14 @@ class FlakyExecutor:
 
     def __init__(self, config: EngineConfig, restart_failures: int = 0) -> None:
         self.config = config
-        self.inner = LocalExecutor(config)
+        self.inner = make_executor(config)
         self.fail_next = False
         self.restart_failures = restart_failures
         self.restarts = 0
         self.restart_times: list[float] = []
-        self.failure = None
+
+    def check_failure(self):
+        return None
 
     def initialize(self):
         return self.inner.initialize()
@@ -50,7 +55,7 @@ class FlakyExecutor:
             raise RuntimeError("placement group not ready")
         self.restarts += 1
         self.inner.shutdown()
-        self.inner = LocalExecutor(self.config)
+        self.inner = make_executor(self.config)
         report = self.inner.initialize()
         self.inner.init_kv_cache(self.layout)
         return report
@@ -80,7 +85,7 @@ def _run(engine: EngineCore, rid: str):
 
 def test_failure_fails_requests_resets_state_and_recovers(config):
     ex = FlakyExecutor(config)
-    engine = EngineCore(config, ex, eos_token_ids=(), restart_backoff_s=0.01)
+    engine = drive(EngineCore(config, ex, eos_token_ids=(), restarts=RestartPolicy(backoff_s=0.01)))
     try:
         reference = _run(engine, "a").outputs[0].token_ids
         assert _run(engine, "b").num_cached_tokens > 0  # the prefix cache is warm
@@ -105,7 +110,8 @@ def test_failure_fails_requests_resets_state_and_recovers(config):
 
 def test_restarts_back_off_exponentially_then_the_engine_dies(config):
     ex = FlakyExecutor(config, restart_failures=10)
-    engine = EngineCore(config, ex, eos_token_ids=(), max_restarts=2, restart_backoff_s=0.1)
+    policy = RestartPolicy(max_restarts=2, backoff_s=0.1)
+    engine = drive(EngineCore(config, ex, eos_token_ids=(), restarts=policy))
     try:
         engine.add_request("a", PROMPT, GREEDY)
         ex.fail_next = True
@@ -124,15 +130,17 @@ def test_restarts_back_off_exponentially_then_the_engine_dies(config):
         engine.shutdown()
 
 
-def test_an_executor_that_cannot_restart_makes_the_engine_dead(config):
-    class NoRestart(LocalExecutor):
+def test_a_policy_without_restarts_makes_the_engine_dead_at_the_first_failure(config):
+    class Broken(LocalExecutor):
         def execute(self, scheduler_output):
             raise WorkerGroupError(0, "node-y", "gone")
 
-    engine = EngineCore(config, NoRestart(config), eos_token_ids=())
+    inner = make_executor(config)
+    engine = drive(EngineCore(config, Broken(inner._make_worker), eos_token_ids=(),
+                              restarts=RestartPolicy(max_restarts=0)))
     engine.add_request("a", PROMPT, GREEDY)
     (out,) = engine.step()
     assert out.error and "node-y" in out.error
     assert not engine.healthy
-    with pytest.raises(EngineDeadError, match="cannot rebuild"):
+    with pytest.raises(EngineDeadError, match="at most 0 restarts"):
         engine.step()

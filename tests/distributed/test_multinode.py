@@ -9,8 +9,11 @@ import time
 import pytest
 import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from helpers.driver import drive
+from helpers.ray_group import ray_executor
 from ray.cluster_utils import Cluster
 
+from pagedserve.cluster.placement import rank_order
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
@@ -19,8 +22,6 @@ from pagedserve.config import (
     SchedulerConfig,
 )
 from pagedserve.controller.engine_core import EngineCore
-from pagedserve.controller.placement import rank_order
-from pagedserve.controller.ray_executor import RayExecutor
 from pagedserve.messages import SamplingParams
 
 PROMPTS = [[1, 17, 99, 4, 250, 31, 77], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 3]]
@@ -50,9 +51,9 @@ def test_tp2_spread_over_two_nodes(cluster, tmp_path, request):
         parallel=ParallelConfig(tensor_parallel_size=2, placement_strategy="SPREAD"),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
     )
-    executor = RayExecutor(config, placement_timeout_s=30, ready_timeout_s=120, step_timeout_s=60)
+    executor = ray_executor(config, ready_timeout_s=120, step_timeout_s=60)
     request.addfinalizer(executor.shutdown)
-    engine = EngineCore(config, executor, eos_token_ids=())
+    engine = drive(EngineCore(config, executor, eos_token_ids=()))
 
     controller = ray.get_runtime_context().get_node_id()
     table = executor.rank_table
@@ -65,7 +66,7 @@ def test_tp2_spread_over_two_nodes(cluster, tmp_path, request):
     if controller in nodes:
         assert nodes[0] == controller
     # And each actor really runs on its rank's node.
-    infos = ray.get([a.node_info.remote() for a in executor.actors], timeout=30)
+    infos = ray.get([a.node_info.remote() for a in executor.worker_actors()], timeout=30)
     assert [i["node_id"] for i in infos] == nodes
     assert [i["rank"] for i in infos] == [0, 1]
 

@@ -15,9 +15,18 @@ from pathlib import Path
 import pytest
 import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from helpers.driver import drive
 from helpers.engine_run import generate
+from helpers.ray_group import ray_executor
 from ray.util.placement_group import placement_group_table
 
+from pagedserve.builder import make_executor
+from pagedserve.cluster.placement import (
+    PlacementTimeoutError,
+    missing_resources,
+    rank_order,
+)
+from pagedserve.cluster.ray_executor import RayExecutor, ensure_ray
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
@@ -25,15 +34,10 @@ from pagedserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from pagedserve.controller.client import EngineDeadError
 from pagedserve.controller.engine_core import EngineCore
-from pagedserve.controller.executor import LocalExecutor, WorkerGroupError, create_executor
-from pagedserve.controller.placement import (
-    PlacementTimeoutError,
-    missing_resources,
-    rank_order,
-)
-from pagedserve.controller.ray_executor import RayExecutor, ensure_ray
+from pagedserve.controller.errors import EngineDeadError
+from pagedserve.controller.executor import LocalExecutor, WorkerGroupError
+from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.messages import SamplingParams
 from pagedserve.workers.ray_worker import controller_reachable
 
@@ -75,9 +79,9 @@ def _config(path: Path, tp: int = 1, strategy: str = "PACK") -> EngineConfig:
 
 
 def _ray_engine(request, config: EngineConfig, **engine_kwargs) -> EngineCore:
-    executor = RayExecutor(config, placement_timeout_s=30, ready_timeout_s=120, step_timeout_s=60)
+    executor = ray_executor(config, ready_timeout_s=120, step_timeout_s=60)
     request.addfinalizer(executor.shutdown)
-    return EngineCore(config, executor, eos_token_ids=(), **engine_kwargs)
+    return drive(EngineCore(config, executor, eos_token_ids=(), **engine_kwargs))
 
 
 def _generate(engine: EngineCore, prompts=PROMPTS, prefix: str = "r") -> list[list[int]]:
@@ -119,14 +123,16 @@ def test_controller_probe():
     assert not controller_reachable(endpoint, timeout_s=1.0)
 
 
-def test_create_executor_backends(tmp_path):
+def test_make_executor_backends(tmp_path):
     cfg = _config(tmp_path, tp=1)
-    assert isinstance(create_executor(cfg, backend="local"), LocalExecutor)
-    assert isinstance(create_executor(cfg), RayExecutor)
-    with pytest.raises(ValueError, match="tensor_parallel_size is 2"):
-        create_executor(_config(tmp_path, tp=2), backend="local")
-    with pytest.raises(ValueError, match="unknown executor backend"):
-        create_executor(cfg, backend="mpi")
+    assert isinstance(make_executor(cfg, "local"), LocalExecutor)
+    assert isinstance(make_executor(cfg, "ray", placement_group=object()), RayExecutor)
+    with pytest.raises(ValueError, match="needs the worker group's placement group"):
+        make_executor(cfg, "ray")
+    with pytest.raises(ValueError, match="the config has 2 ranks"):
+        make_executor(_config(tmp_path, tp=2), "local")
+    with pytest.raises(ValueError, match="unknown executor"):
+        make_executor(cfg, "mpi")
 
 
 # ---------------------------------------------------------------- on Ray
@@ -134,13 +140,11 @@ def test_create_executor_backends(tmp_path):
 
 def test_unsatisfiable_placement_fails_fast_and_names_the_missing_resources(ray_local, tmp_path):
     for bundle, tp, resource in (({"GPU": 1.0}, 2, "GPU"), (None, 100, "CPU")):
-        executor = RayExecutor(_config(tmp_path, tp=tp), placement_timeout_s=1.0, bundle=bundle)
         start = time.monotonic()
         with pytest.raises(PlacementTimeoutError) as info:
-            executor.initialize()
+            ray_executor(_config(tmp_path, tp=tp), placement_timeout_s=1.0, bundle=bundle)
         assert time.monotonic() - start < 10
         assert resource in info.value.missing and resource in str(info.value)
-        executor.shutdown()
     # Nothing is left pending: the timed-out groups were removed.
     states = {g["state"] for g in placement_group_table().values()}
     assert "PENDING" not in states, states
@@ -149,7 +153,8 @@ def test_unsatisfiable_placement_fails_fast_and_names_the_missing_resources(ray_
 def test_tp2_matches_tp1_and_transformers(ray_local, ckpt_root, request):
     path = _checkpoint(ckpt_root, "llama", 2)
     expected = _reference(path)
-    tp1 = EngineCore(_config(path, tp=1), LocalExecutor(_config(path, tp=1)), eos_token_ids=())
+    cfg1 = _config(path, tp=1)
+    tp1 = drive(EngineCore(cfg1, make_executor(cfg1), eos_token_ids=()))
     try:
         assert _generate(tp1) == expected
     finally:
@@ -171,7 +176,8 @@ def test_tp4_with_four_kv_heads(ray_local, ckpt_root, request):
 def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_root, request):
     path = _checkpoint(ckpt_root, "llama", 2)
     expected = _reference(path)
-    engine = _ray_engine(request, _config(path, tp=2), max_restarts=1, restart_backoff_s=0.1)
+    policy = RestartPolicy(max_restarts=1, backoff_s=0.1)
+    engine = _ray_engine(request, _config(path, tp=2), restarts=policy)
     executor: RayExecutor = engine.executor  # type: ignore[assignment]
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
@@ -182,7 +188,7 @@ def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_
     victim = executor.rank_table[1]
 
     # 1. Kill rank 1 mid-generation: every in-flight request fails promptly, naming it.
-    ray.kill(executor.actors[1], no_restart=True)
+    ray.kill(executor.worker_actors()[1], no_restart=True)
     start = time.monotonic()
     failed = engine.step()
     assert time.monotonic() - start < 5.0
@@ -198,17 +204,17 @@ def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_
     # 2. The next step rebuilds the group; new requests get the right tokens.
     assert _generate(engine, prefix="after") == expected
     assert engine.num_restarts == 1 and engine.healthy
-    new_actors = executor.actors
-    assert len(new_actors) == 2 and executor.failure is None
+    new_actors = executor.worker_actors()
+    assert len(new_actors) == 2 and executor.check_failure() is None
 
     # 3. A rank dies while the engine is idle: the monitor finds it, and with the restart
     #    budget spent the engine reports itself dead.
     ray.kill(new_actors[0], no_restart=True)
     deadline = time.monotonic() + 15
-    while executor.failure is None:
+    while executor.check_failure() is None:
         assert time.monotonic() < deadline, "the monitor did not notice the dead rank"
         time.sleep(0.1)
-    assert executor.failure.rank == 0
+    assert executor.check_failure().rank == 0
     assert engine.step() == []  # nothing in flight; the failure is recorded
     assert not engine.healthy
     with pytest.raises(EngineDeadError, match="at most 1 restarts"):
@@ -216,7 +222,7 @@ def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_
 
 
 def test_worker_exits_when_the_controller_socket_vanishes(ray_local, tmp_path):
-    from pagedserve.controller.wire import StepChannel
+    from pagedserve.cluster.wire import StepChannel
     from pagedserve.workers.ray_worker import RayWorker
 
     actor = RayWorker.options(num_cpus=0).remote(_config(tmp_path, tp=1), 0)
@@ -235,14 +241,15 @@ def test_worker_exits_when_the_controller_socket_vanishes(ray_local, tmp_path):
 DRIVER = """
 import os, sys, time, ray
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from pagedserve.controller.ray_executor import RayExecutor
+from pagedserve.builder import make_executor
+from pagedserve.cluster.placement import reserve_worker_group
 ray.init(address=sys.argv[1], log_to_driver=False)
 cfg = EngineConfig(model=ModelConfig(model=sys.argv[2], dtype="float32"),
                    cache=CacheConfig(block_size=4, kv_cache_memory_bytes=1 << 22),
                    parallel=ParallelConfig(tensor_parallel_size=1))
-ex = RayExecutor(cfg, placement_timeout_s=30)
+ex = make_executor(cfg, "ray", reserve_worker_group(1, "PACK", 30))
 ex.initialize()
-pids = ray.get([a.ping.remote() for a in ex.actors], timeout=30)
+pids = ray.get([a.ping.remote() for a in ex.worker_actors()], timeout=30)
 print("PIDS", *pids, flush=True)
 time.sleep(120)
 """

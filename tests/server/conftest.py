@@ -23,18 +23,13 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start_client(model_dir: Path, **options: Any) -> Any:
-    """An in-process ``EngineThread`` (no Ray: fast, and tests may reach into its engine)."""
+    """An in-process client (no Ray: fast, and tests may reach into its engine)."""
+    from pagedserve.builder import start_engine
     from pagedserve.config import from_flat
-    from pagedserve.controller.client import EngineThread
-    from pagedserve.controller.engine_core import EngineCore
-    from pagedserve.controller.executor import LocalExecutor
-    from pagedserve.controller.tokenizer import load_tokenizer
 
     options.setdefault("kv_cache_memory_bytes", 1 << 22)
     options.setdefault("max_model_len", 256)
-    config = from_flat(model=str(model_dir), **options)
-    engine = EngineCore(config, LocalExecutor(config), tokenizer=load_tokenizer(str(model_dir)))
-    return EngineThread(engine, model_dir.name)
+    return start_engine(from_flat(model=str(model_dir), **options), "local")
 
 
 @contextlib.contextmanager

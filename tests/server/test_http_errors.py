@@ -11,8 +11,8 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from pagedserve.controller.api_server import build_app
-from pagedserve.controller.client import EngineDeadError
+from pagedserve.controller.errors import EngineDeadError
+from pagedserve.serving.api_server import build_app
 
 KEY = "sekrit-key"
 
@@ -153,9 +153,16 @@ class DeadClient:
     def __init__(self, healthy: bool) -> None:
         self.healthy = healthy
 
-    def add_request(self, request_id, prompt_token_ids, params, sink, *, prompt=None,
-                    cache_salt=None) -> None:
+    error = "worker 0 died"
+
+    def add_request(self, request, sink) -> None:
         raise EngineDeadError("worker 0 died")
+
+    def submit(self, request, sink):
+        raise EngineDeadError("worker 0 died")
+
+    def wait_added(self, fut) -> None:
+        fut.result()
 
     def abort_request(self, request_id: str) -> None:
         pass

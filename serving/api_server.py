@@ -25,15 +25,15 @@ from starlette.types import Receive, Scope, Send
 
 from pagedserve.config import EngineConfig
 from pagedserve.controller.client import EngineClient
-from pagedserve.controller.metrics import ServerMetrics
-from pagedserve.controller.openai_handlers import Endpoint, prepare_chat, prepare_completion
-from pagedserve.controller.openai_protocol import (
+from pagedserve.serving.metrics import ServerMetrics
+from pagedserve.serving.openai_handlers import Endpoint, prepare_chat, prepare_completion
+from pagedserve.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
 )
-from pagedserve.controller.openai_serving import APIError, ClientGone, EngineRun, ServerContext
+from pagedserve.serving.openai_serving import APIError, ClientGone, EngineRun, ServerContext
 
 __all__ = ["build_app", "serve"]
 
@@ -184,11 +184,11 @@ def serve(
 ) -> None:
     """Start an engine for ``config`` and serve it until interrupted, then shut it down.
 
-    ``backend`` (``ray`` / ``local``) goes to ``launch.start_engine``; None takes its default.
+    ``backend`` (``ray`` / ``local``) goes to ``builder.start_engine``; None takes its default.
     """
     import uvicorn
 
-    from pagedserve.controller.launch import start_engine
+    from pagedserve.builder import start_engine
 
     client = start_engine(config) if backend is None else start_engine(config, backend)
     try:

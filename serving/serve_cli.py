@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from pagedserve.controller.engine_args import add_engine_arguments, engine_options
+from pagedserve.serving.engine_args import add_engine_arguments, engine_options
 
 __all__ = ["add_serve_parser", "engine_options", "run_serve"]
 
@@ -38,9 +38,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; 0 on a clean stop, 2 on a bad configuration."""
+    from pagedserve.builder import resolve_model_dir
     from pagedserve.config import ConfigError, from_flat
-    from pagedserve.controller.api_server import serve
-    from pagedserve.controller.launch import resolve_model_dir
+    from pagedserve.serving.api_server import serve
 
     logging.getLogger("pagedserve").setLevel(args.log_level.upper())
     if args.model is None:

@@ -28,9 +28,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from pagedserve.controller.client import EngineClient, EngineDeadError
+from pagedserve.controller.client import EngineClient
+from pagedserve.controller.errors import EngineDeadError
+from pagedserve.controller.outputs import final_output_sink
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.messages import RequestOutput, SamplingParams, SamplingParamsError
+from pagedserve.messages import AddRequest, RequestOutput, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -364,10 +366,6 @@ def run_job(
                    finished_now - counted, force)
         counted = finished_now
 
-    def sink(out: RequestOutput) -> None:
-        if out.finished:
-            finished.put(out)
-
     def fail(writer: _Writer, lineno: int, rid: Any, exc: BaseException, meta: Any = None) -> None:
         writer.write(error_record(lineno, rid, exc, meta))
         summary.failed += 1
@@ -435,8 +433,9 @@ def run_job(
                 request_id = f"job-{lineno}"
                 try:
                     in_flight[request_id] = item
-                    client.add_request(request_id, item.token_ids, item.params, sink,
-                                       prompt=item.prompt, cache_salt=item.cache_salt)
+                    add = AddRequest(request_id, item.token_ids, item.params, item.prompt,
+                                     item.cache_salt)
+                    client.add_request(add, final_output_sink(add, finished.put))
                 except EngineDeadError:
                     in_flight.pop(request_id, None)
                     raise

@@ -1,10 +1,10 @@
 """The engine side of one HTTP request: submit, gather outputs on the event loop, abort.
 
 ``EngineRun`` owns the engine requests of one API call (one per prompt of a batch). Each
-request's sink runs on the engine thread and only hands the cumulative ``RequestOutput`` to the
-event loop; there the run keeps the latest output per request, feeds the metrics, and wakes
-whoever is waiting. Streaming code reads ``latest`` and computes deltas itself, so outputs that
-pile up while a slow client reads are coalesced instead of queued.
+request's sink runs on a client thread and only hands the ``RequestDelta`` to the event loop;
+there the run folds it into the request's cumulative output (``latest``, for a whole answer),
+keeps it for streaming (``take_pending``: the deltas not yet sent, which a slow reader gets
+coalesced into one event), feeds the metrics, and wakes whoever is waiting.
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from pagedserve.controller.client import EngineClient, EngineDeadError
+from pagedserve.controller.client import EngineClient
 from pagedserve.controller.errors import (
     EmptyPromptError,
+    EngineDeadError,
     InvalidTokenError,
     PromptTooLongError,
     RequestError,
     RequestTooLargeError,
 )
-from pagedserve.controller.metrics import ServerMetrics
-from pagedserve.messages import RequestOutput, SamplingParams
+from pagedserve.controller.outputs import OutputAccumulator
+from pagedserve.messages import AddRequest, RequestDelta, RequestOutput, SamplingParams
+from pagedserve.serving.metrics import ServerMetrics
 
 __all__ = ["APIError", "ClientGone", "EngineRun", "Prompt", "ServerContext", "token_text"]
 
@@ -97,7 +99,9 @@ class Prompt:
 class _Sub:
     request_id: str
     prompt: Prompt
+    acc: OutputAccumulator
     latest: RequestOutput | None = None
+    pending: list[RequestDelta] = field(default_factory=list)
     submitted: bool = False
     done: bool = False
     first_token_time: float | None = None
@@ -122,7 +126,10 @@ class EngineRun:
         self.cache_salt = cache_salt
         self.arrival = time.monotonic()
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
-        self.subs = [_Sub(rid, p) for rid, p in zip(ids, prompts, strict=True)]
+        self.subs = [
+            _Sub(rid, p, OutputAccumulator(rid, p.text, p.token_ids, params.n))
+            for rid, p in zip(ids, prompts, strict=True)
+        ]
         self._wake = asyncio.Event()
 
     # ----------------------------------------------------------------------- submission
@@ -133,15 +140,9 @@ class EngineRun:
             for i, sub in enumerate(self.subs):
                 sub.submitted = True  # before the call: aborting an unknown id is harmless
                 # add_request may wait for the engine thread; keep the event loop free.
-                add = partial(
-                    self.client.add_request,
-                    sub.request_id,
-                    sub.prompt.token_ids,
-                    self.params,
-                    partial(self._from_engine, loop, i),
-                    prompt=sub.prompt.text,
-                    cache_salt=self.cache_salt,
-                )
+                req = AddRequest(sub.request_id, sub.prompt.token_ids, self.params,
+                                 sub.prompt.text, self.cache_salt)
+                add = partial(self.client.add_request, req, partial(self._from_engine, loop, i))
                 await loop.run_in_executor(self._pool, add)
                 self.metrics.prompt_tokens.inc(len(sub.prompt.token_ids))
         except BaseException:
@@ -159,14 +160,18 @@ class EngineRun:
                     pass
 
     # --------------------------------------------------------------------------- outputs
-    def _from_engine(self, loop: asyncio.AbstractEventLoop, index: int, out: RequestOutput) -> None:
-        """The sink: runs on the engine thread, so only hop onto the loop."""
-        loop.call_soon_threadsafe(self._on_output, index, out)
+    def _from_engine(
+        self, loop: asyncio.AbstractEventLoop, index: int, delta: RequestDelta
+    ) -> None:
+        """The sink: runs on a client thread, so only hop onto the loop."""
+        loop.call_soon_threadsafe(self._on_output, index, delta)
 
-    def _on_output(self, index: int, out: RequestOutput) -> None:
+    def _on_output(self, index: int, delta: RequestDelta) -> None:
         sub = self.subs[index]
         if sub.latest is not None and sub.latest.finished:
             return
+        out = sub.acc.add(delta)
+        sub.pending.append(delta)
         now = time.monotonic()
         ntok = sum(len(c.token_ids) for c in out.outputs)
         if ntok > sub.counted_tokens:
@@ -187,6 +192,12 @@ class EngineRun:
         if out.finished:
             sub.done = True
         self._wake.set()
+
+    def take_pending(self, index: int) -> list[RequestDelta]:
+        """The deltas of request ``index`` that arrived since the last call."""
+        sub = self.subs[index]
+        pending, sub.pending = sub.pending, []
+        return pending
 
     @property
     def finished(self) -> bool:

@@ -2,9 +2,9 @@
 
 Build (``initialize`` + ``init_kv_cache``, and again on ``restart``):
 
-1. A placement group of ``world_size`` bundles (``{"GPU": 1}`` on GPU clusters, ``{"CPU": 1}``
-   otherwise; PACK unless the config says STRICT_PACK / SPREAD), ready within
-   ``placement_timeout_s`` or removed with an error naming what the cluster lacks.
+1. The placement group of ``world_size`` bundles is the launcher's (``cluster.launch``, which
+   creates it and removes it; see ``placement.reserve_worker_group``); the executor waits until
+   it is placed (it is rescheduled after a node's death) and never removes it.
 2. Ranks from the placement table, the controller's node first (``placement.rank_order``); one
    ``RayWorker`` actor per bundle, created with its rank.
 3. Rank 0 opens the TCPStore on port 0 (loopback when the whole group shares one node) and
@@ -24,7 +24,6 @@ Ray must be initialised by the caller (``ensure_ray`` helps). Every wait is boun
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
@@ -35,29 +34,22 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.config import EngineConfig
-from pagedserve.controller.executor import WorkerGroupError
-from pagedserve.controller.placement import (
-    RankSlot,
-    create_placement_group,
-    default_bundle,
-    rank_slots,
-    remove_quietly,
-)
-from pagedserve.controller.wire import (
+from pagedserve.cluster.placement import RankSlot, rank_slots, wait_placed
+from pagedserve.cluster.wire import (
     BadFrameError,
     RankDisconnectedError,
     StepChannel,
     StepTimeoutError,
     WorkerStepError,
 )
+from pagedserve.config import EngineConfig
+from pagedserve.controller.executor import WorkerGroupError
 from pagedserve.messages import KVCacheLayout, ModelRunnerOutput, SchedulerOutput, WorkerReport
 
 __all__ = ["RayExecutor", "ensure_ray"]
 
 logger = logging.getLogger(__name__)
 
-WORKER_ACTOR_MODULE = "pagedserve.workers.ray_worker"
 OUTPUT_RANK = 0
 
 
@@ -91,28 +83,28 @@ class RayExecutor:
     def __init__(
         self,
         config: EngineConfig,
+        placement_group: Any,
+        actor_cls: Any,
         *,
         placement_timeout_s: float = 60.0,
         ready_timeout_s: float = 600.0,
         step_timeout_s: float = 300.0,
         poll_interval_s: float = 0.5,
         monitor_interval_s: float = 1.0,
-        bundle: dict[str, float] | None = None,
         on_failure: Callable[[WorkerGroupError], None] | None = None,
     ) -> None:
         self.config = config
         self.world_size = config.parallel.world_size
-        self.strategy = config.parallel.placement_strategy
         self.placement_timeout_s = placement_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.step_timeout_s = step_timeout_s
         self.poll_interval_s = poll_interval_s
         self.monitor_interval_s = monitor_interval_s
-        self._bundle = bundle
+        self._actor_cls = actor_cls
         self._on_failure = on_failure
         self._lock = threading.Lock()
         self._failure: WorkerGroupError | None = None
-        self._pg: Any = None
+        self._pg: Any = placement_group
         self._slots: list[RankSlot] = []
         self._actors: list[Any] = []
         self._run_refs: dict[Any, int] = {}
@@ -176,16 +168,14 @@ class RayExecutor:
                 logger.warning("dropped a malformed reply frame", exc_info=True)
 
     def shutdown(self) -> None:
-        """Stop the loops, kill every rank, close the channel, remove the placement group.
-        Idempotent."""
+        """Stop the loops, kill every rank, close the channel. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._teardown(graceful=True)
 
     # ------------------------------------------------------------------ faults
-    @property
-    def failure(self) -> WorkerGroupError | None:
+    def check_failure(self) -> WorkerGroupError | None:
         """The group's failure, if one was found (by a step or by the monitor)."""
         return self._failure
 
@@ -194,14 +184,13 @@ class RayExecutor:
         """Rank -> (bundle, node id) of the current group."""
         return list(self._slots)
 
-    @property
-    def actors(self) -> list[Any]:
+    def worker_actors(self) -> list[Any]:
         """The worker actors, by rank (for tests and diagnostics)."""
         return list(self._actors)
 
     @property
     def placement_group(self) -> Any:
-        """The worker group's current placement group (None while torn down)."""
+        """The worker group's placement group (the launcher's)."""
         return self._pg
 
     def restart(self) -> WorkerReport:
@@ -286,16 +275,19 @@ class RayExecutor:
         with self._lock:
             self._failure = None
         controller_node = ray.get_runtime_context().get_node_id()
-        bundle = self._bundle or default_bundle(ray.cluster_resources())
-        self._pg = create_placement_group(
-            self.world_size, self.strategy, bundle, self.placement_timeout_s
-        )
+        if self._pg.bundle_count != self.world_size:
+            raise ValueError(
+                f"the placement group has {self._pg.bundle_count} bundles for "
+                f"{self.world_size} ranks"
+            )
+        wait_placed(self._pg, self.placement_timeout_s)
+        bundle = self._pg.bundle_specs[0]
         self._slots = rank_slots(self._pg, controller_node)
         logger.info(
             "worker group ranks: %s",
             ", ".join(f"{s.rank}->bundle {s.bundle_index}@{s.node_id[:12]}" for s in self._slots),
         )
-        actor_cls = importlib.import_module(WORKER_ACTOR_MODULE).RayWorker
+        actor_cls = self._actor_cls
         gpu = bundle.get("GPU", 0.0)
         self._actors = [
             actor_cls.options(
@@ -431,5 +423,3 @@ class RayExecutor:
         self._kill_actors()
         self._actors = []
         self._run_refs = {}
-        pg, self._pg = self._pg, None
-        remove_quietly(pg)

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from pagedserve.controller.client import EngineClient, EngineDeadError, Sink
-from pagedserve.controller.errors import DuplicateRequestError
+from pagedserve.controller.client import EngineClient, Sink
+from pagedserve.controller.errors import DuplicateRequestError, EngineDeadError
 from pagedserve.kv.hashing import BlockHasher
-from pagedserve.messages import RequestOutput, SamplingParams
+from pagedserve.messages import AddRequest, RequestDelta
 
 __all__ = ["Router"]
 
@@ -101,61 +101,25 @@ class Router:
         return preferred, reason
 
     # ------------------------------------------------------------------ EngineClient
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        sink: Sink,
-        *,
-        prompt: str | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        index, reason = self._route(request_id, prompt_token_ids, cache_salt)
-        try:
-            self.replicas[index].add_request(
-                request_id, prompt_token_ids, params, self._tracking(request_id, index, sink),
-                prompt=prompt, cache_salt=cache_salt,
-            )
-        except BaseException:
-            self._release(request_id, index)
-            raise
-        self.routes.append((request_id, index, reason))
+    def add_request(self, request: AddRequest, sink: Sink) -> None:
+        self.wait_added(self.submit(request, sink))
 
-    def add_request_async(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        sink: Sink,
-        *,
-        prompt: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Future[None]:
-        """Route and send without waiting for the verdict (when the replica's client can);
-        ``wait_added(future)`` raises what ``add_request`` would have."""
-        index, reason = self._route(request_id, prompt_token_ids, cache_salt)
-        replica = self.replicas[index]
-        submit = getattr(replica, "add_request_async", None)
-        tracked = self._tracking(request_id, index, sink)
+    def submit(self, request: AddRequest, sink: Sink) -> Future[None]:
+        """Route and send without waiting for the verdict; ``wait_added(future)`` raises what
+        ``add_request`` would have."""
+        rid = request.request_id
+        index, reason = self._route(rid, request.prompt_token_ids, request.cache_salt)
         try:
-            if submit is None:
-                fut: Future[None] = Future()
-                replica.add_request(request_id, prompt_token_ids, params, tracked,
-                                    prompt=prompt, cache_salt=cache_salt)
-                fut.set_result(None)
-            else:
-                fut = submit(request_id, prompt_token_ids, params, tracked,
-                             prompt=prompt, cache_salt=cache_salt)
+            fut = self.replicas[index].submit(request, self._tracking(rid, index, sink))
         except BaseException:
-            self._release(request_id, index)
+            self._release(rid, index)
             raise
 
         def settle(f: Future[None]) -> None:
             if f.exception() is not None:
-                self._release(request_id, index)
+                self._release(rid, index)
             else:
-                self.routes.append((request_id, index, reason))
+                self.routes.append((rid, index, reason))
 
         fut.add_done_callback(settle)
         return fut
@@ -180,7 +144,7 @@ class Router:
         return index, reason
 
     def _tracking(self, request_id: str, index: int, sink: Sink) -> Sink:
-        def on_output(out: RequestOutput) -> None:
+        def on_output(out: RequestDelta) -> None:
             if out.finished:
                 self._release(request_id, index)
             sink(out)
@@ -219,6 +183,13 @@ class Router:
 
     def is_healthy(self) -> bool:
         return any(r.is_healthy() for r in self.replicas)
+
+    @property
+    def error(self) -> str | None:
+        """Why the router is down (every replica is), else None."""
+        if self.is_healthy():
+            return None
+        return "; ".join(str(r.error) for r in self.replicas)
 
     def shutdown(self) -> None:
         for replica in self.replicas:

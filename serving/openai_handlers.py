@@ -2,9 +2,9 @@
 
 Both endpoints share one path: turn the body into prompts and ``SamplingParams`` (raising
 ``APIError`` with the offending parameter named), start an ``EngineRun``, then either wait and
-build one response or stream server-sent events. Streaming deltas are computed from the
-cumulative outputs; while stop strings are in play the last ``len(longest stop) - 1``
-characters are held back, because the engine truncates the text when a stop string completes.
+build one response or stream server-sent events. A stream forwards the engine's deltas (text
+is append-only: the engine itself holds back what a stop string could still cut), coalescing
+those that arrived while the client was reading into one event.
 """
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.controller.client import EngineClient
-from pagedserve.controller.openai_protocol import ChatCompletionRequest, CompletionRequest
-from pagedserve.controller.openai_serving import (
+from pagedserve.messages import (
+    CompletionDelta,
+    CompletionOutput,
+    SamplingParams,
+    SamplingParamsError,
+)
+from pagedserve.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.serving.openai_serving import (
     APIError,
     EngineRun,
     Prompt,
@@ -28,7 +34,6 @@ from pagedserve.controller.openai_serving import (
     token_text,
     top_entries,
 )
-from pagedserve.messages import CompletionOutput, SamplingParams, SamplingParamsError
 
 __all__ = ["Endpoint", "prepare_chat", "prepare_completion"]
 
@@ -133,9 +138,7 @@ class Endpoint:
 
     # ----------------------------------------------------------------------- streaming
     async def stream_events(self) -> AsyncIterator[str]:
-        params = self.run.params
-        holdback = max((len(s) for s in params.stop), default=1) - 1
-        n = params.n
+        n = self.run.params.n
         states = [[_Sent() for _ in range(n)] for _ in self.run.subs]
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
@@ -148,11 +151,13 @@ class Endpoint:
                 yield self._event(obj, first)
             async for _ in self.run.updates():
                 choices = []
-                for i, sub in enumerate(self.run.subs):
-                    if sub.latest is None:
-                        continue
-                    for comp in sub.latest.outputs:
-                        choice = self._delta(i, comp, states[i][comp.index], holdback)
+                for i in range(len(self.run.subs)):
+                    merged: dict[int, CompletionDelta] = {}
+                    for delta in self.run.take_pending(i):
+                        for d in delta.completions:
+                            _merge(merged, d)
+                    for d in merged.values():
+                        choice = self._delta(i, d, states[i][d.index])
                         if choice is not None:
                             choices.append(choice)
                 if choices:
@@ -165,38 +170,30 @@ class Endpoint:
             yield self._event(obj, [], usage=self._usage())
         yield "data: [DONE]\n\n"
 
-    def _delta(
-        self, sub_index: int, comp: CompletionOutput, sent: _Sent, holdback: int
-    ) -> dict[str, Any] | None:
+    def _delta(self, sub_index: int, d: CompletionDelta, sent: _Sent) -> dict[str, Any] | None:
         if sent.finished:
             return None
-        text = comp.text
-        end = len(text) if comp.finished else len(text) - holdback
-        delta = text[sent.chars : end] if end > sent.chars else ""
-        sent.chars = max(sent.chars, end)
+        finished = d.finish_reason is not None
+        text = d.text
         if not sent.started and self.echo:
-            prompt_text = self.run.subs[sub_index].prompt.text or ""
-            delta = prompt_text + delta
+            text = (self.run.subs[sub_index].prompt.text or "") + text
         sent.started = True
-        entries: list[dict[int, float]] = []
-        if comp.logprobs is not None:
-            entries = comp.logprobs[sent.logprobs :]
-            sent.logprobs = len(comp.logprobs)
-        if not delta and not entries and not comp.finished:
+        entries = d.logprobs or []
+        if not text and not entries and not finished:
             return None
-        sent.finished = comp.finished
-        choice: dict[str, Any] = {"index": sub_index * self.run.params.n + comp.index}
+        sent.finished = finished
+        choice: dict[str, Any] = {"index": sub_index * self.run.params.n + d.index}
         if self.chat:
-            choice["delta"] = {"content": delta} if delta or not comp.finished else {}
+            choice["delta"] = {"content": text} if text or not finished else {}
         else:
-            choice["text"] = delta
+            choice["text"] = text
         logprobs = None
         if self.top_n is not None:
             logprobs = self._logprobs(entries, sent.offset)
             sent.offset += sum(len(t) for t in logprobs.get("tokens", []))
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = comp.finish_reason
-        choice["stop_reason"] = comp.stop_reason
+        choice["finish_reason"] = d.finish_reason
+        choice["stop_reason"] = d.stop_reason
         return choice
 
     def _event(
@@ -211,10 +208,25 @@ class Endpoint:
         return _sse(chunk)
 
 
+def _merge(merged: dict[int, CompletionDelta], d: CompletionDelta) -> None:
+    """Coalesce consecutive deltas of one completion."""
+    prev = merged.get(d.index)
+    if prev is None:
+        merged[d.index] = CompletionDelta(
+            d.index, list(d.token_ids), d.text, list(d.logprobs) if d.logprobs else None,
+            d.finish_reason, d.stop_reason, d.cumulative_logprob,
+        )
+        return
+    prev.token_ids.extend(d.token_ids)
+    prev.text += d.text
+    if d.logprobs:
+        prev.logprobs = (prev.logprobs or []) + d.logprobs
+    prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+    prev.cumulative_logprob = d.cumulative_logprob
+
+
 @dataclass(slots=True)
 class _Sent:
-    chars: int = 0
-    logprobs: int = 0
     offset: int = 0
     started: bool = False
     finished: bool = False

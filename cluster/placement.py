@@ -157,6 +157,23 @@ def create_placement_group(
     return pg
 
 
+def wait_placed(pg: PlacementGroup, timeout_s: float) -> None:
+    """Wait (bounded) until ``pg`` is placed, e.g. again after a node's death."""
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        raise PlacementError(f"the worker placement group was not placed within {timeout_s} s")
+    ray.get(ready[0])
+
+
+def reserve_worker_group(
+    world_size: int, strategy: str, timeout_s: float, bundle: Mapping[str, float] | None = None
+) -> PlacementGroup:
+    """The placement group of one worker group: ``world_size`` bundles of ``bundle`` (by default
+    one GPU each on GPU clusters, one CPU otherwise). Its creator owns it and removes it."""
+    chosen = bundle if bundle is not None else default_bundle(ray.cluster_resources())
+    return create_placement_group(world_size, strategy, chosen, timeout_s)
+
+
 def rank_slots(pg: PlacementGroup, controller_node: str) -> list[RankSlot]:
     """The rank table of a ready placement group (see ``rank_order``)."""
     table = placement_group_table(pg)

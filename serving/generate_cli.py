@@ -14,13 +14,14 @@ import logging
 import os
 import queue
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from pagedserve.controller.batch_job import run_job
-from pagedserve.controller.client import EngineClient, EngineDeadError
-from pagedserve.controller.engine_args import add_engine_arguments, engine_options
-from pagedserve.messages import RequestOutput, SamplingParams, SamplingParamsError
+from pagedserve.controller.client import EngineClient
+from pagedserve.controller.errors import EngineDeadError
+from pagedserve.controller.outputs import final_output_sink
+from pagedserve.messages import AddRequest, RequestOutput, SamplingParams, SamplingParamsError
+from pagedserve.serving.batch_job import run_job
+from pagedserve.serving.engine_args import add_engine_arguments, engine_options
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +67,8 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _start_client(args: argparse.Namespace) -> EngineClient:
+    from pagedserve.builder import resolve_model_dir, start_engine
     from pagedserve.config import from_flat
-    from pagedserve.controller.launch import resolve_model_dir, start_engine
 
     model_dir = resolve_model_dir(getattr(args, "model", None))
     return start_engine(from_flat(model=model_dir, **engine_options(args)), args.backend)
@@ -82,9 +83,9 @@ def _generate_prompts(client: EngineClient, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     results: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-    sink: Callable[[RequestOutput], None] = lambda out: results.put(out) if out.finished else None
     for i, text in enumerate(prompts):
-        client.add_request(f"prompt-{i}", client.tokenizer.encode(text), params, sink, prompt=text)
+        add = AddRequest(f"prompt-{i}", client.tokenizer.encode(text), params, text)
+        client.add_request(add, final_output_sink(add, results.put))
     outs: dict[str, RequestOutput] = {}
     while len(outs) < len(prompts):
         try:
@@ -162,7 +163,7 @@ def run_generate_job(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pagedserve.controller.generate_cli``: the command without the CLI wrapper."""
+    """``python -m pagedserve.serving.generate_cli``: the command without the CLI wrapper."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="pagedserve generate")
     add_generate_arguments(parser)

@@ -1,0 +1,95 @@
+"""Starting an engine on Ray: one controller actor per data-parallel replica, a client to each.
+
+The launcher owns each replica's worker placement group: it reserves it before the controller
+starts, hands it to the controller (whose executor places its ranks in it, and rebuilds them
+there after a failure) and removes it when the client shuts down, so a killed controller leaves
+nothing reserved. With ``data_parallel_size`` above 1 the front end gets a prefix-aware
+``Router`` over one client per replica.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import ray
+
+from pagedserve.cluster.placement import remove_quietly, reserve_worker_group
+from pagedserve.cluster.ray_controller import ControllerActor, EngineFactory
+from pagedserve.cluster.remote_client import RemoteEngineClient
+from pagedserve.cluster.router import Router
+from pagedserve.config import EngineConfig
+from pagedserve.controller.client import EngineClient
+from pagedserve.controller.tokenizer import load_tokenizer
+
+__all__ = ["start_controllers"]
+
+logger = logging.getLogger(__name__)
+
+
+def start_controllers(
+    config: EngineConfig,
+    build: EngineFactory,
+    *,
+    model_name: str,
+    reserve_workers: bool = True,
+    placement_timeout_s: float = 60.0,
+    ready_timeout_s: float = 600.0,
+) -> EngineClient:
+    """Reserve each replica's placement group (``reserve_workers``; off when the engine runs
+    its model inside the controller), create the controller actors (spread over nodes when
+    there are several), wait until each is ready and connect a client to each. Ray must be up.
+    """
+    par = config.parallel
+    dp = par.data_parallel_size
+    pgs: list[Any] = []
+    actors: list[Any] = []
+    clients: list[RemoteEngineClient] = []
+    try:
+        if reserve_workers:
+            pgs = [
+                reserve_worker_group(par.world_size, par.placement_strategy, placement_timeout_s)
+                for _ in range(dp)
+            ]
+        strategy = "SPREAD" if dp > 1 else "DEFAULT"
+        actors = [
+            ControllerActor.options(scheduling_strategy=strategy).remote(
+                config, build, model_name=model_name,
+                placement_group=pgs[i] if pgs else None, replica_index=i,
+            )
+            for i in range(dp)
+        ]
+        infos = ray.get([a.info.remote() for a in actors], timeout=ready_timeout_s)
+        tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        for i, (actor, info) in enumerate(zip(actors, infos, strict=True)):
+            logger.info("replica %d: %s on node %s", info["replica_index"], info["endpoint"],
+                        info["node_id"])
+            close = functools.partial(_close_replica, actor, pgs[i] if pgs else None)
+            clients.append(RemoteEngineClient(
+                info["endpoint"], info, tokenizer=tokenizer, actor=actor, on_close=close
+            ))
+    except BaseException as exc:
+        for client in clients:
+            client.shutdown()
+        for actor in actors[len(clients):]:
+            ray.kill(actor, no_restart=True)
+        for pg in pgs[len(clients):]:
+            remove_quietly(pg)
+        cause = getattr(exc, "cause", None)  # a RayTaskError carries what the controller raised
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+    if dp == 1:
+        return clients[0]
+    return Router(clients, block_size=clients[0].block_size)
+
+
+def _close_replica(actor: Any, pg: Any, timeout_s: float = 30.0) -> None:
+    """Stop the controller (and so its workers), kill it, free its placement group."""
+    try:
+        ray.get(actor.shutdown.remote(), timeout=timeout_s)
+    except Exception as exc:  # already dead, or stuck: the kill below settles it
+        logger.debug("controller shutdown: %r", exc)
+    ray.kill(actor, no_restart=True)
+    remove_quietly(pg)

@@ -1,0 +1,269 @@
+"""The controller actor: one engine replica's ``EngineLoop`` served over ZeroMQ.
+
+``ReplicaServer`` needs no Ray (the tests drive it in-process too): it owns an ``EngineLoop``
+and an IO thread that owns the sockets: one ROUTER bound on the node's IP at port 0, to which
+every client connects a DEALER. Commands come in on it and go to the loop through one
+``Connection`` per client identity; what the loop sends a connection (an ``OutputBatch`` per
+loop iteration, the death notice) goes back addressed by that identity. An inproc PUSH/PULL
+pair wakes the IO thread when the loop has something to send. A client that vanished (a send
+to it is unroutable) is disconnected from the loop, which aborts its requests. Only the
+endpoint, the model facts and shutdown travel through Ray calls; per-token traffic never does.
+
+``Controller`` (``ControllerActor`` as a Ray actor) builds its engine with the factory the
+composition root passes in, so this package never names the workers. Killing the actor takes
+the workers with it: Ray tears down the actors a dead owner created.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import zmq
+
+from pagedserve.config import EngineConfig
+from pagedserve.controller.engine_core import EngineCore
+from pagedserve.controller.loop import EngineLoop
+from pagedserve.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineStatus,
+    MessageDecodeError,
+    OutputBatch,
+    StatusRequest,
+    decode,
+    encode,
+)
+
+__all__ = ["Controller", "ControllerActor", "EngineFactory", "ReplicaServer"]
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[EngineConfig, Any], EngineCore]
+"""``(config, placement_group or None) -> EngineCore``: the composition root's builder."""
+
+_SEND_TIMEOUT_MS = 1000
+_IO_POLL_MS = 100
+_wake_ids = itertools.count()
+
+
+class _ClientConn:
+    """The loop's ``Connection`` to one ZeroMQ client: queue for the IO thread and wake it."""
+
+    __slots__ = ("identity", "server")
+
+    def __init__(self, server: ReplicaServer, identity: bytes) -> None:
+        self.server = server
+        self.identity = identity
+
+    def send(self, msg: OutputBatch | EngineStatus) -> None:
+        self.server._queue_send(self.identity, msg)
+
+
+class ReplicaServer:
+    """Serves one ``EngineLoop`` to ZeroMQ clients (see the module docstring)."""
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        model_name: str,
+        host: str = "127.0.0.1",
+        *,
+        replica_index: int = 0,
+    ) -> None:
+        self.loop = loop
+        self.model_name = model_name
+        self.replica_index = replica_index
+        self._outbox: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()
+        self._conns: dict[bytes, _ClientConn] = {}
+        self._stopping = threading.Event()
+        self._ctx = zmq.Context(io_threads=1)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        self._router.setsockopt(zmq.SNDHWM, 100_000)
+        if ":" in host:
+            self._router.setsockopt(zmq.IPV6, 1)
+        self._router.bind(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0")
+        self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        wake_addr = f"inproc://pagedserve-replica-wake-{next(_wake_ids)}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)
+        self._wake_rx.bind(wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)  # used under _wake_lock: any thread sends
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(wake_addr)
+        self._wake_lock = threading.Lock()
+        self._io = threading.Thread(target=self._io_loop, name="pagedserve-ctl-io", daemon=True)
+        self._io.start()
+
+    @property
+    def engine(self) -> EngineCore:
+        return self.loop.engine
+
+    def stats(self) -> dict[str, Any]:
+        return self.loop.stats()
+
+    def is_healthy(self) -> bool:
+        return self.loop.is_healthy()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop (in-flight requests fail with an error delta), the executor, the IO."""
+        try:
+            self.loop.stop(timeout_s)
+        finally:
+            self._stopping.set()
+            self._io.join(timeout=5.0)
+            self._ctx.destroy(linger=0)
+
+    # ------------------------------------------------------------------ any thread
+    def _queue_send(self, identity: bytes, msg: Any) -> None:
+        self._outbox.put((identity, msg))
+        with self._wake_lock:
+            if self._stopping.is_set():
+                return
+            try:
+                self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # wake-ups are queued already: the IO thread drains the whole outbox
+
+    # ------------------------------------------------------------------ IO thread
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                events = dict(poller.poll(_IO_POLL_MS))
+                if self._router in events:
+                    for _ in range(1000):  # bounded, so outputs are not starved
+                        try:
+                            frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if len(frames) == 2:
+                            self._on_command(frames[0], frames[1])
+                if self._wake_rx in events:
+                    self._drain_outbox()
+            self._drain_outbox()
+        except Exception:
+            logger.exception("replica %d: IO thread died", self.replica_index)
+
+    def _drain_outbox(self) -> None:
+        while True:
+            try:
+                self._wake_rx.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while True:
+            try:
+                identity, msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send_frame(identity, encode(msg))
+
+    def _send_frame(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self._router.send_multipart([identity, frame])
+        except (zmq.Again, zmq.ZMQError) as exc:
+            conn = self._conns.pop(identity, None)
+            if conn is not None:
+                logger.info("replica %d: client %s unreachable (%s); dropping its requests",
+                            self.replica_index, identity.hex(), exc)
+                self.loop.disconnect(conn)
+
+    def _on_command(self, identity: bytes, body: bytes) -> None:
+        try:
+            msg = decode(body)
+        except MessageDecodeError as exc:
+            logger.warning("replica %d: dropping a bad frame: %s", self.replica_index, exc)
+            return
+        conn = self._conns.get(identity)
+        if conn is None:
+            conn = self._conns[identity] = _ClientConn(self, identity)
+        if isinstance(msg, StatusRequest):
+            loop = self.loop
+            status = EngineStatus(loop.is_healthy(), loop.stats(), loop.error, msg.seq)
+            self._send_frame(identity, encode(status))
+        elif isinstance(msg, (AddRequest, AbortRequest)):
+            self.loop.submit(conn, msg)
+        else:
+            logger.warning("replica %d: unexpected %s", self.replica_index, type(msg).__name__)
+
+
+class Controller:
+    """One engine replica: ``build(config, placement_group)`` -> ``EngineCore``, its
+    ``EngineLoop`` and a ``ReplicaServer`` (``ControllerActor`` is this class as a Ray actor).
+    ``placement_group`` is the worker group's, created and removed by the launcher."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        build: EngineFactory,
+        *,
+        model_name: str,
+        placement_group: Any = None,
+        replica_index: int = 0,
+    ) -> None:
+        self.config = config
+        self._start_error: Exception | None = None
+        t0 = time.monotonic()
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        try:
+            engine = build(config, placement_group)
+        except Exception as exc:
+            # Raised from ``info()`` instead: an actor whose constructor fails reaches the driver
+            # as a bare ActorDiedError, a failed method call as the original exception.
+            self._start_error = exc
+            return
+        self.server = ReplicaServer(
+            EngineLoop(engine), model_name, host, replica_index=replica_index
+        )
+        self._node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        logger.info("replica %d ready at %s in %.1f s", replica_index, self.server.endpoint,
+                    time.monotonic() - t0)
+
+    def info(self) -> dict[str, Any]:
+        """What a client needs: the ZMQ endpoint and the model's facts (or why it never started)."""
+        if self._start_error is not None:
+            raise self._start_error
+        engine = self.server.engine
+        return {
+            "endpoint": self.server.endpoint,
+            "model_name": self.server.model_name,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "block_size": engine.kv.block_size,
+            "replica_index": self.server.replica_index,
+            "node_id": self._node_id,
+            "pid": os.getpid(),
+        }
+
+    def ping(self) -> bool:
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return self.server.stats()
+
+    def is_healthy(self) -> bool:
+        return self.server.is_healthy()
+
+    def worker_actors(self) -> list[Any]:
+        """The executor's worker actor handles, by rank (for tests and diagnostics)."""
+        return self.server.engine.executor.worker_actors()
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+# Threaded (max_concurrency=2) so that ping/info answer while shutdown runs; no CPU reserved:
+# the controller schedules, its workers compute. max_restarts=0: a restarted controller would
+# hold no requests and no workers; the client reports the death instead.
+ControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(Controller)

@@ -1,0 +1,102 @@
+"""From the workers' report to the KV pool: the context limit, the layer groups, the pool size."""
+
+from __future__ import annotations
+
+import logging
+
+from pagedserve.config import EngineConfig
+from pagedserve.kv import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheManager,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    group_layer_specs,
+    num_blocks_from_bytes,
+)
+from pagedserve.messages import KVCacheLayout, WorkerReport
+
+__all__ = ["KVPlan", "kv_groups_from_report", "plan_kv_cache", "resolve_max_model_len"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(config: EngineConfig, report: WorkerReport) -> int:
+    """The configured limit, else the checkpoint's; never more than the checkpoint supports.
+    Without chunked prefill a (resumed) request must fit one step's budget whole."""
+    configured = config.model.max_model_len
+    limit = report.max_model_len
+    if configured is not None and configured > limit:
+        logger.warning("max_model_len=%d exceeds the model's %d; using %d",
+                       configured, limit, limit)
+    elif configured is not None:
+        limit = configured
+    sched = config.scheduler
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < limit:
+        logger.warning(
+            "chunked prefill is off: max_model_len lowered to max_num_batched_tokens=%d",
+            sched.max_num_batched_tokens,
+        )
+        limit = sched.max_num_batched_tokens
+    return limit
+
+
+def kv_groups_from_report(report: WorkerReport, block_size: int) -> list[KVCacheGroup]:
+    """Per-layer KV specs (layer index as name, in model order) grouped by kv's rules."""
+    specs: dict[str, KVCacheSpec] = {}
+    for i, ls in enumerate(report.layer_specs):
+        if ls.sliding_window is not None:
+            specs[str(i)] = SlidingWindowSpec(
+                block_size, ls.num_kv_heads, ls.head_size, ls.dtype_bytes, ls.sliding_window
+            )
+        else:
+            specs[str(i)] = FullAttentionSpec(
+                block_size, ls.num_kv_heads, ls.head_size, ls.dtype_bytes
+            )
+    return group_layer_specs(specs)
+
+
+class KVPlan:
+    """The pool the controller decided on, and how to make a fresh manager for it."""
+
+    def __init__(self, config: EngineConfig, layout: KVCacheLayout,
+                 specs: list[KVCacheSpec], max_model_len: int) -> None:
+        self.config = config
+        self.layout = layout
+        self.specs = specs
+        self.max_model_len = max_model_len
+
+    def new_manager(self) -> KVCacheManager:
+        cache = self.config.cache
+        return KVCacheManager(
+            self.specs or None,
+            self.layout.num_blocks,
+            self.layout.block_size,
+            self.max_model_len,
+            enable_caching=cache.enable_prefix_caching,
+            policy=cache.allocation_policy,  # type: ignore[arg-type]
+            virtual_block_factor=self.config.parallel.decode_context_parallel_size,
+        )
+
+
+def plan_kv_cache(config: EngineConfig, report: WorkerReport, max_model_len: int) -> KVPlan:
+    """Group the reported layer specs and size the pool."""
+    cache = config.cache
+    # Per-rank page geometry: under decode context parallelism each rank holds B tokens of
+    # every virtual block of B x dcp tokens, so bytes -> blocks is the same as without it.
+    groups = kv_groups_from_report(report, cache.block_size)
+    if cache.num_gpu_blocks is not None:
+        num_blocks = cache.num_gpu_blocks
+    else:
+        num_blocks = num_blocks_from_bytes(report.available_kv_bytes, groups)
+    if num_blocks < 2:
+        raise RuntimeError(
+            f"no room for the KV cache: {report.available_kv_bytes} bytes give {num_blocks} "
+            "blocks; raise kv_cache_memory_bytes / gpu_memory_utilization or num_gpu_blocks"
+        )
+    layout = KVCacheLayout(
+        num_blocks=num_blocks,
+        block_size=cache.block_size,
+        groups=[[int(name) for name in g.layer_names] for g in groups],
+    )
+    return KVPlan(config, layout, [g.spec for g in groups], max_model_len)
