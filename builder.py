@@ -128,8 +128,7 @@ def start_engine(
     """
     if resolve_backend(config, backend) == "local":
         return LocalEngineClient(EngineLoop(build_engine(config)), model_name(config))
-    from pagedserve.cluster.launch import start_controllers
-    from pagedserve.cluster.ray_executor import ensure_ray
+    from pagedserve.cluster.launch import ensure_ray, start_controllers
 
     # None means a fresh local instance even when a ``ray start`` cluster runs on this machine
     # (plain ``ray.init()`` would attach to that one); "auto" or an address attaches.

@@ -26,6 +26,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by th
 import numpy as np
 import ray
 
+from pagedserve.builder import make_executor, resolve_model_dir
+from pagedserve.cluster.launch import ensure_ray
+from pagedserve.cluster.placement import remove_quietly, reserve_worker_group
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
@@ -34,10 +37,8 @@ from pagedserve.config import (
     SchedulerConfig,
 )
 from pagedserve.controller.engine_core import EngineCore
-from pagedserve.controller.executor import create_executor
-from pagedserve.builder import resolve_model_dir
-from pagedserve.cluster.ray_executor import ensure_ray
-from pagedserve.messages import SamplingParams
+from pagedserve.controller.outputs import OutputCollector
+from pagedserve.messages import AddRequest, SamplingParams
 
 
 def workload(seed: int, n: int, lo: int, hi: int, vocab: int):
@@ -51,10 +52,11 @@ def workload(seed: int, n: int, lo: int, hi: int, vocab: int):
 def run_until_done(engine: EngineCore, prompts, outs, prefix: str) -> int:
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         params = SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"{prefix}{i}", p, params)
+        engine.add_request(AddRequest(f"{prefix}{i}", p, params))
     produced = 0
+    collector = OutputCollector()
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in collector.feed(engine.step()):
             if out.finished:
                 if out.error is not None:
                     raise RuntimeError(out.error)
@@ -73,7 +75,8 @@ def bench(setup: str, model: str, args, prompts, outs) -> dict[str, float]:
         ),
     )
     t0 = time.perf_counter()
-    engine = EngineCore(config, create_executor(config, backend=backend), eos_token_ids=())
+    pg = reserve_worker_group(int(tp), "PACK", 60) if backend == "ray" else None
+    engine = EngineCore(config, make_executor(config, backend, pg), eos_token_ids=())
     build_s = time.perf_counter() - t0
     try:
         run_until_done(engine, [[1, 2, 3]], [2], "warm")
@@ -84,6 +87,7 @@ def bench(setup: str, model: str, args, prompts, outs) -> dict[str, float]:
         after = engine.stats()
     finally:
         engine.shutdown()
+        remove_quietly(pg)
     assert produced == sum(outs), "every request must produce exactly max_tokens tokens"
     steps = after["num_steps"] - before["num_steps"]
     execute = after["time_execute_s"] - before["time_execute_s"]

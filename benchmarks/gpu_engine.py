@@ -396,6 +396,7 @@ def throughput_phase(torch: Any, np: Any, rep: Report, args: argparse.Namespace,
                      model_name: str, dtype: str, n: int, lo: int, hi: int,
                      deadline: float) -> None:
     from pagedserve import LLM, SamplingParams
+    from pagedserve.messages import AddRequest
 
     sys.path.insert(0, str(HERE))
     from throughput import uniform_workload  # the workload of benchmarks/throughput.py
@@ -433,24 +434,33 @@ def throughput_phase(torch: Any, np: Any, rep: Report, args: argparse.Namespace,
             f"{sum(len(p) for p in prompts)} prompt + {sum(outs)} output tokens, "
             f"deadline in {deadline - time.perf_counter():.0f}s")
 
-        engine = llm.engine
-        assert engine is not None
+        client = llm.client
+        assert client is not None
         before = llm.stats()
         t0 = time.perf_counter()
         ids = [f"tp-{i}" for i in range(n)]
-        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
-            engine.add_request(rid, prompt, sp)
         produced: dict[str, int] = {}
         finished: set[str] = set()
+        errors: list[str] = []
+
+        def sink(delta: Any) -> None:  # runs on the client's thread
+            if delta.error is not None:
+                errors.append(f"request {delta.request_id} failed: {delta.error}")
+            produced[delta.request_id] = produced.get(delta.request_id, 0) + sum(
+                len(c.token_ids) for c in delta.completions)
+            if delta.finished:
+                finished.add(delta.request_id)
+
+        futs = [client.submit(AddRequest(rid, prompt, sp), sink)
+                for rid, prompt, sp in zip(ids, prompts, params, strict=True)]
+        for fut in futs:
+            client.wait_added(fut)
         stopped_early = False
         next_note = t0 + 15.0
         while len(finished) < n:
-            for out in engine.step():
-                if out.error is not None:
-                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-                produced[out.request_id] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    finished.add(out.request_id)
+            time.sleep(0.01)
+            if errors:
+                raise RuntimeError(errors[0])
             now = time.perf_counter()
             if now > next_note:
                 log(f"  ... {len(finished)}/{n} finished, {sum(produced.values())} tokens out")
@@ -463,7 +473,7 @@ def throughput_phase(torch: Any, np: Any, rep: Report, args: argparse.Namespace,
         if stopped_early:
             for rid in ids:
                 if rid not in finished:
-                    engine.abort_request(rid)
+                    client.abort_request(rid)
     finally:
         llm.shutdown()
         del llm

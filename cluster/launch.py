@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 import ray
@@ -23,9 +24,26 @@ from pagedserve.config import EngineConfig
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import load_tokenizer
 
-__all__ = ["start_controllers"]
+__all__ = ["ensure_ray", "start_controllers"]
 
 logger = logging.getLogger(__name__)
+
+
+def ensure_ray(
+    address: str | None = None, *, num_cpus: int | None = None, **init_kwargs: Any
+) -> Any:
+    """Make sure this process is connected to Ray. Already connected: nothing changes. ``None``
+    (or ``"local"``) starts a fresh local instance in-process (``num_cpus`` logical CPUs,
+    default max(4, cores): each rank's CPU bundle needs one, even on a small machine; no
+    dashboard), even where ``RAY_ADDRESS`` or a ``ray start`` cluster exists;
+    ``"auto"`` or an address attaches to a running cluster."""
+    if ray.is_initialized():
+        return None
+    if address in (None, "local"):
+        init_kwargs.setdefault("include_dashboard", False)
+        cpus = num_cpus if num_cpus is not None else max(4, os.cpu_count() or 1)
+        return ray.init(address="local", num_cpus=cpus, **init_kwargs)
+    return ray.init(address=address, **init_kwargs)
 
 
 def start_controllers(

@@ -2,30 +2,26 @@
 
 Build (``initialize`` + ``init_kv_cache``, and again on ``restart``):
 
-1. The placement group of ``world_size`` bundles is the launcher's (``cluster.launch``, which
-   creates it and removes it; see ``placement.reserve_worker_group``); the executor waits until
-   it is placed (it is rescheduled after a node's death) and never removes it.
+1. The placement group (``world_size`` bundles) is the launcher's, who creates and removes it;
+   the executor waits until it is placed (again, after a node's death).
 2. Ranks from the placement table, the controller's node first (``placement.rank_order``); one
    ``RayWorker`` actor per bundle, created with its rank.
-3. Rank 0 opens the TCPStore on port 0 (loopback when the whole group shares one node) and
-   reports the port; every rank joins the process group (gloo on CPU, NCCL on GPU); every rank
-   loads its shard, and rank 0's ``WorkerReport`` is the group's.
+3. Rank 0 opens the TCPStore on port 0 and reports the port; every rank joins the process
+   group (gloo on CPU, NCCL on GPU) and loads its shard; rank 0's ``WorkerReport`` is the group's.
 4. ``init_kv_cache``: every rank allocates the pool; then the ``StepChannel`` is bound on the
    controller's node IP, port 0, every rank starts ``run`` and the handshake completes.
 
 Per step, ``execute`` broadcasts the ``SchedulerOutput`` and waits for the output rank's reply in
-short slices, checking between slices whether any rank's ``run`` ref has finished (a rank that
-dies without a word is noticed in about a second, not at the step deadline). A background
-monitor does the same between steps. Either way the failure becomes one ``WorkerGroupError``
-naming the root-cause rank and node; the group is killed at once and ``restart`` rebuilds it.
+short slices, checking between them whether a rank's ``run`` ref has finished (a silent death
+is noticed in about a second); a monitor does the same between steps. A failure becomes one
+``WorkerGroupError`` naming the root-cause rank and node; the group is killed at once.
 
-Ray must be initialised by the caller (``ensure_ray`` helps). Every wait is bounded.
+Ray must be initialised by the caller (``cluster.launch.ensure_ray`` helps). Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -35,10 +31,10 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.cluster.placement import RankSlot, rank_slots, wait_placed
-from pagedserve.cluster.wire import (
+from pagedserve.cluster.wire import StepChannel
+from pagedserve.cluster.wire_errors import (
     BadFrameError,
     RankDisconnectedError,
-    StepChannel,
     StepTimeoutError,
     WorkerStepError,
 )
@@ -46,28 +42,11 @@ from pagedserve.config import EngineConfig
 from pagedserve.controller.executor import WorkerGroupError
 from pagedserve.messages import KVCacheLayout, ModelRunnerOutput, SchedulerOutput, WorkerReport
 
-__all__ = ["RayExecutor", "ensure_ray"]
+__all__ = ["RayExecutor"]
 
 logger = logging.getLogger(__name__)
 
 OUTPUT_RANK = 0
-
-
-def ensure_ray(
-    address: str | None = None, *, num_cpus: int | None = None, **init_kwargs: Any
-) -> Any:
-    """Make sure this process is connected to Ray. Already connected: nothing changes. ``None``
-    (or ``"local"``) starts a fresh local instance in-process (``num_cpus`` logical CPUs,
-    default max(4, cores): each rank's CPU bundle needs one, even on a small machine; no
-    dashboard), even where ``RAY_ADDRESS`` or a ``ray start`` cluster exists;
-    ``"auto"`` or an address attaches to a running cluster."""
-    if ray.is_initialized():
-        return None
-    if address in (None, "local"):
-        init_kwargs.setdefault("include_dashboard", False)
-        cpus = num_cpus if num_cpus is not None else max(4, os.cpu_count() or 1)
-        return ray.init(address="local", num_cpus=cpus, **init_kwargs)
-    return ray.init(address=address, **init_kwargs)
 
 
 def _short(exc: BaseException) -> str:
@@ -118,7 +97,7 @@ class RayExecutor:
     # ------------------------------------------------------------------ Executor protocol
     def initialize(self) -> WorkerReport:
         if not ray.is_initialized():
-            raise RuntimeError("Ray is not initialised: call ensure_ray(address) first")
+            raise RuntimeError("Ray is not initialised: call launch.ensure_ray(address) first")
         try:
             return self._build()
         except BaseException:
@@ -188,13 +167,8 @@ class RayExecutor:
         """The worker actors, by rank (for tests and diagnostics)."""
         return list(self._actors)
 
-    @property
-    def placement_group(self) -> Any:
-        """The worker group's placement group (the launcher's)."""
-        return self._pg
-
     def restart(self) -> WorkerReport:
-        """Tear the whole group down and build it again (placement group, actors, process
+        """Tear the group down and build it again in the same placement group (actors, process
         group, model, and the KV layout of the first build). Returns the new report."""
         if self._closed:
             raise RuntimeError("RayExecutor: restart after shutdown")

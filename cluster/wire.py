@@ -14,19 +14,15 @@ Topology (the controller binds both sockets on its node's IP, port 0, and report
   any rank sends a failure frame when it fails, so the controller hears about a failure on every
   rank, not only on the output rank. Non-output ranks send nothing when a step succeeds: the
   per-step deadline plus the Ray-level monitor on the ranks' run loops cover a rank that dies
-  without a word, so an ack per rank per step would only add traffic. Replies use their own
-  socket so that the reply side can later be read on another thread than broadcasts are sent
-  from (ZMQ sockets are not thread-safe).
+  without a word, so an ack per rank per step would only add traffic.
 
 Readiness: every rank says hello on **both** sockets, carrying its rank, node and the wire
 version; ``wait_ready`` returns once every rank has been heard on both paths, so the first step
 can neither be lost nor wait on a half-connected rank.
 
 Frames are multipart ``[kind, body]``; bodies go through ``pagedserve.messages.encode/decode``
-(msgpack, no pickle). The envelopes (hello, failure) are plain msgpack lists rather than
-registered message classes: both sides must agree on one class per tag, and this module and
-``workers/wire.py`` may not import each other. ``workers/wire.py`` holds the other half of the
-format; the constants below must change together with its copies.
+(msgpack, no pickle); the envelopes (hello, failure) are plain msgpack lists, since this module
+and ``workers/wire.py`` (the other half of the format) may not import each other.
 
 Every wait is bounded and fails with a typed error. A channel instance belongs to one thread.
 """
@@ -38,10 +34,18 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
+from pagedserve.cluster.wire_errors import (
+    BadFrameError,
+    HandshakeError,
+    HandshakeTimeoutError,
+    RankDisconnectedError,
+    StepTimeoutError,
+    WireError,
+    WorkerStepError,
+)
 from pagedserve.messages import (
     MessageDecodeError,
     ModelRunnerOutput,
@@ -69,91 +73,6 @@ logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # Errors. Each one pickles with its fields (it may cross a Ray call out of the controller actor).
-
-
-class WireError(RuntimeError):
-    """Base class of the step channel's errors."""
-
-
-class HandshakeError(WireError):
-    """A rank's hello contradicts the channel's setup (duplicate or unknown rank, wrong output
-    rank, another wire version)."""
-
-
-class HandshakeTimeoutError(HandshakeError, TimeoutError):
-    """Not every rank said hello on both sockets before the deadline."""
-
-    def __init__(self, missing: list[int], waited_s: float) -> None:
-        super().__init__(
-            f"ranks {missing} did not connect to the step channel within {waited_s:.1f} s "
-            "(still loading, crashed, or unable to reach the controller's address?)"
-        )
-        self.missing = missing
-        self.waited_s = waited_s
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.missing, self.waited_s))
-
-
-class StepTimeoutError(WireError, TimeoutError):
-    """A step's reply (or its hand-off to a rank) did not happen within the deadline."""
-
-    def __init__(self, step_id: int, waited_s: float, what: str = "no reply from the output rank"):
-        super().__init__(f"step {step_id}: {what} within {waited_s:.3f} s")
-        self.step_id = step_id
-        self.waited_s = waited_s
-        self.what = what
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.step_id, self.waited_s, self.what))
-
-
-class WorkerStepError(WireError):
-    """A rank reported that it failed; carries the rank, its node and the worker's message."""
-
-    def __init__(
-        self,
-        rank: int,
-        node: str,
-        message: str,
-        step_id: int | None = None,
-        exc_type: str = "",
-        traceback: str = "",
-    ) -> None:
-        at = f" at step {step_id}" if step_id is not None else ""
-        what = f"{exc_type}: {message}" if exc_type else message
-        super().__init__(f"rank {rank} on node {node} failed{at}: {what}")
-        self.rank = rank
-        self.node = node
-        self.message = message
-        self.step_id = step_id
-        self.exc_type = exc_type
-        self.traceback = traceback
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        args = (self.rank, self.node, self.message, self.step_id, self.exc_type, self.traceback)
-        return (type(self), args)
-
-
-class RankDisconnectedError(WireError):
-    """A step could not be addressed to a rank because its connection is gone."""
-
-    def __init__(self, rank: int, node: str, step_id: int) -> None:
-        super().__init__(f"step {step_id}: rank {rank} on node {node} is no longer connected")
-        self.rank = rank
-        self.node = node
-        self.step_id = step_id
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.rank, self.node, self.step_id))
-
-
-class BadFrameError(WireError, ValueError):
-    """A frame that is not part of the protocol. It is dropped; the channel stays usable and the
-    call that met it may simply be repeated."""
-
-
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,9 +190,7 @@ class StepChannel:
         # Steps broadcast and not yet answered, oldest first.
         self._in_flight: deque[int] = deque()
 
-    # ----------------------------------------------------------------------------------------
-    # Set-up
-
+    # ------------------------------------------------------------------------------- set-up
     @property
     def endpoints(self) -> tuple[str, str]:
         """``(step_endpoint, reply_endpoint)``, the argument ``StepReceiver`` takes."""

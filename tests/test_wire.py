@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from pagedserve.cluster.wire import (
+from pagedserve.cluster.wire import StepChannel
+from pagedserve.cluster.wire_errors import (
     BadFrameError,
     HandshakeError,
     HandshakeTimeoutError,
     RankDisconnectedError,
-    StepChannel,
     StepTimeoutError,
     WireError,
     WorkerStepError,

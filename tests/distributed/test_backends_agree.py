@@ -13,8 +13,7 @@ import pytest
 import ray
 
 from pagedserve.builder import model_name
-from pagedserve.cluster.launch import start_controllers
-from pagedserve.cluster.ray_executor import ensure_ray
+from pagedserve.cluster.launch import ensure_ray, start_controllers
 from pagedserve.config import from_flat
 from pagedserve.controller.client import LocalEngineClient
 from pagedserve.controller.errors import PromptTooLongError

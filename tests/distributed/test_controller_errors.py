@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from pagedserve import LLM
-from pagedserve.cluster.ray_executor import ensure_ray
+from pagedserve.cluster.launch import ensure_ray
 from pagedserve.workers.errors import ModelLoadError, UnsupportedModelError
 
 

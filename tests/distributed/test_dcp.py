@@ -15,7 +15,7 @@ from helpers.driver import drive
 from helpers.engine_run import generate
 from helpers.ray_group import ray_executor
 
-from pagedserve.cluster.ray_executor import ensure_ray
+from pagedserve.cluster.launch import ensure_ray
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,

@@ -21,12 +21,13 @@ from helpers.ray_group import ray_executor
 from ray.util.placement_group import placement_group_table
 
 from pagedserve.builder import make_executor
+from pagedserve.cluster.launch import ensure_ray
 from pagedserve.cluster.placement import (
     PlacementTimeoutError,
     missing_resources,
     rank_order,
 )
-from pagedserve.cluster.ray_executor import RayExecutor, ensure_ray
+from pagedserve.cluster.ray_executor import RayExecutor
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
