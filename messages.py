@@ -5,7 +5,7 @@ msgpack extension whose payload is the list of its fields in declaration order, 
 rebuilds the dataclass by tag. No pickle: an unknown tag, a wrong field count or a frame that is
 not msgpack raises ``MessageDecodeError``.
 
-``SchedulerOutput`` carries deltas only (DESIGN.md §2): a request is sent in full once, in
+``SchedulerOutput`` carries deltas only: a request is sent in full once, in
 ``new_reqs``; afterwards only its new block ids, newly appended token ids and computed-token
 count travel, in ``cached_reqs``.
 """
