@@ -16,10 +16,8 @@ the workers with it: Ray tears down the actors a dead owner created.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +26,7 @@ from typing import Any
 import ray
 import zmq
 
+from pagedserve.cluster.mailbox import Mailbox
 from pagedserve.config import EngineConfig
 from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.loop import EngineLoop
@@ -51,7 +50,6 @@ EngineFactory = Callable[[EngineConfig, Any], EngineCore]
 
 _SEND_TIMEOUT_MS = 1000
 _IO_POLL_MS = 100
-_wake_ids = itertools.count()
 
 
 class _ClientConn:
@@ -81,7 +79,6 @@ class ReplicaServer:
         self.loop = loop
         self.model_name = model_name
         self.replica_index = replica_index
-        self._outbox: queue.SimpleQueue[tuple[bytes, Any]] = queue.SimpleQueue()
         self._conns: dict[bytes, _ClientConn] = {}
         self._stopping = threading.Event()
         self._ctx = zmq.Context(io_threads=1)
@@ -94,13 +91,7 @@ class ReplicaServer:
             self._router.setsockopt(zmq.IPV6, 1)
         self._router.bind(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0")
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        wake_addr = f"inproc://pagedserve-replica-wake-{next(_wake_ids)}"
-        self._wake_rx = self._ctx.socket(zmq.PULL)
-        self._wake_rx.bind(wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PUSH)  # used under _wake_lock: any thread sends
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(wake_addr)
-        self._wake_lock = threading.Lock()
+        self._outbox: Mailbox[tuple[bytes, Any]] = Mailbox(self._ctx, "replica-outbox")
         self._io = threading.Thread(target=self._io_loop, name="pagedserve-ctl-io", daemon=True)
         self._io.start()
 
@@ -121,24 +112,17 @@ class ReplicaServer:
         finally:
             self._stopping.set()
             self._io.join(timeout=5.0)
+            self._outbox.close()
             self._ctx.destroy(linger=0)
 
-    # ------------------------------------------------------------------ any thread
     def _queue_send(self, identity: bytes, msg: Any) -> None:
         self._outbox.put((identity, msg))
-        with self._wake_lock:
-            if self._stopping.is_set():
-                return
-            try:
-                self._wake_tx.send(b"", flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # wake-ups are queued already: the IO thread drains the whole outbox
 
     # ------------------------------------------------------------------ IO thread
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._outbox.waker, zmq.POLLIN)
         try:
             while not self._stopping.is_set():
                 events = dict(poller.poll(_IO_POLL_MS))
@@ -150,23 +134,14 @@ class ReplicaServer:
                             break
                         if len(frames) == 2:
                             self._on_command(frames[0], frames[1])
-                if self._wake_rx in events:
+                if self._outbox.waker in events:
                     self._drain_outbox()
             self._drain_outbox()
         except Exception:
             logger.exception("replica %d: IO thread died", self.replica_index)
 
     def _drain_outbox(self) -> None:
-        while True:
-            try:
-                self._wake_rx.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        while True:
-            try:
-                identity, msg = self._outbox.get_nowait()
-            except queue.Empty:
-                return
+        for identity, msg in self._outbox.drain():
             self._send_frame(identity, encode(msg))
 
     def _send_frame(self, identity: bytes, frame: bytes) -> None:

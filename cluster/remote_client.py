@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -24,6 +23,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from pagedserve.cluster.mailbox import Mailbox
 from pagedserve.controller.client import ClientBase
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.messages import (
@@ -41,7 +41,6 @@ __all__ = ["RemoteEngineClient"]
 
 logger = logging.getLogger(__name__)
 
-_wake_ids = itertools.count()
 
 
 class RemoteEngineClient(ClientBase):
@@ -76,7 +75,6 @@ class RemoteEngineClient(ClientBase):
         self._on_close = on_close
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
-        self._outgoing: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._status_seq = itertools.count(1)
         self._status: EngineStatus | None = None
         self._status_cv = threading.Condition()
@@ -91,13 +89,7 @@ class RemoteEngineClient(ClientBase):
             self._sock.setsockopt(zmq.IPV6, 1)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
-        wake_addr = f"inproc://pagedserve-client-wake-{next(_wake_ids)}"
-        self._wake_rx = self._ctx.socket(zmq.PULL)
-        self._wake_rx.bind(wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PUSH)  # shared by callers: used under _wake_lock
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(wake_addr)
-        self._wake_lock = threading.Lock()
+        self._outgoing: Mailbox[bytes] = Mailbox(self._ctx, "client-outbox")
         self._io = threading.Thread(target=self._io_loop, name="pagedserve-client", daemon=True)
         self._io.start()
 
@@ -126,6 +118,7 @@ class RemoteEngineClient(ClientBase):
         self._stopping.set()
         self._io.join(timeout=5.0)
         self._fail_all("the client was shut down")
+        self._outgoing.close()
         self._ctx.destroy(linger=0)
         self._close()
 
@@ -141,23 +134,17 @@ class RemoteEngineClient(ClientBase):
 
     def _send(self, msg: Any) -> None:
         self._outgoing.put(encode(msg))
-        with self._wake_lock:
-            if not self._stopping.is_set():
-                try:
-                    self._wake_tx.send(b"", flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # wake-ups are queued already; the IO thread sends everything
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._outgoing.waker, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         next_beat = time.monotonic()
         try:
             while not self._stopping.is_set() and self._dead is None:
                 events = dict(poller.poll(100))
-                if self._wake_rx in events:
+                if self._outgoing.waker in events:
                     self._send_outgoing()
                 if self._sock in events:
                     for _ in range(1000):
@@ -173,8 +160,7 @@ class RemoteEngineClient(ClientBase):
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self._heartbeat_s
-                    self._outgoing.put(encode(StatusRequest(0)))
-                    self._send_outgoing()
+                    self._send(StatusRequest(0))
                     if now - self._last_rx > self._dead_after_s:
                         self._check_alive(f"no word from the controller for {self._dead_after_s} s")
             self._send_outgoing()  # the aborts of a shutdown
@@ -183,19 +169,12 @@ class RemoteEngineClient(ClientBase):
             self._fail_all(f"client IO failed: {exc!r}")
 
     def _send_outgoing(self) -> None:
-        while True:
-            try:
-                self._wake_rx.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        while True:
-            try:
-                frame = self._outgoing.get_nowait()
-            except queue.Empty:
-                return
+        frames = self._outgoing.drain()
+        for i, frame in enumerate(frames):
             try:
                 self._sock.send(frame, flags=zmq.NOBLOCK)
             except zmq.Again:
+                self._outgoing.put_back(frames[i:])
                 self._check_alive("the controller does not take commands", at_once=True)
                 return
 
