@@ -131,9 +131,6 @@ class ClientBase:
     def error(self) -> str | None:
         return self._dead
 
-    def num_in_flight(self) -> int:
-        return len(self._requests)
-
     # ------------------------------------------------------------------ from the engine
     def _on_message(self, msg: OutputBatch | EngineStatus) -> None:
         if isinstance(msg, EngineStatus):

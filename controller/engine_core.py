@@ -320,9 +320,6 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._groups)
 
-    def num_unfinished(self) -> int:
-        return len(self._groups)
-
     def stats(self) -> dict[str, int | float]:
         """Running/waiting counts, KV usage, prefix-cache queries/hits (tokens), preemptions."""
         stats: dict[str, int | float] = dataclasses.asdict(self.scheduler.stats())
