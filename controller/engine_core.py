@@ -227,9 +227,12 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             return []
         t0 = time.perf_counter()
+        preemptions = self.scheduler.num_preemptions
         sched_out = self.scheduler.schedule()
         if sched_out.total_num_scheduled_tokens == 0:
-            return []
+            # A step that preempted admits nothing by design; the next one will.
+            stalled = self.scheduler.num_preemptions == preemptions
+            return self._no_progress() if stalled else []
         t1 = time.perf_counter()
         try:
             runner_out = self.executor.execute(sched_out)
@@ -253,6 +256,31 @@ class EngineCore:
         self._time_execute += t2 - t1
         self._time_schedule += (t1 - t0) + (time.perf_counter() - t2)
         return deltas
+
+    def _no_progress(self) -> list[RequestDelta]:
+        """A step that schedules nothing while requests wait and nothing runs would repeat
+        forever: admission promised the head request that it fits. Fail that request, loudly,
+        instead of spinning."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            return []
+        head = sched.waiting[0]
+        group = self._groups.pop(head.group_id, None)
+        reason = (
+            f"internal error: request {head.group_id!r} ({head.num_tokens} tokens, "
+            f"{head.num_computed_tokens} computed) cannot be scheduled in an empty cache of "
+            f"{self.kv.num_free_blocks} free blocks of {self.kv.block_size} tokens "
+            f"(token budget {sched.max_num_batched_tokens}); it is failed instead of retried"
+        )
+        logger.error("%s", reason)
+        if group is None:  # not a user request: drop it all the same
+            sched.finish_requests([head.request_id], RequestStatus.FINISHED_ABORTED)
+            return []
+        ids = [s.request_id for s in group.seqs]
+        if group.parent is not None:
+            ids.insert(0, group.parent.request_id)
+        sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return [failed_delta(group.request_id, [s.index for s in group.seqs], reason)]
 
     # ------------------------------------------------------------------- faults
     @property

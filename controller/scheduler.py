@@ -154,6 +154,12 @@ class Scheduler:
                 continue
             blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
+                if self.running[-1] is req and self.enable_chunked_prefill and n > 1:
+                    # Nobody left to preempt but itself: a smaller prefill chunk needs fewer
+                    # blocks (a sliding window holds the window plus the chunk).
+                    n = max(1, n // 2)
+                    blocks = self.kv.allocate_slots(req, n)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -202,6 +208,11 @@ class Scheduler:
                 break
             n = min(n, budget)
             blocks = self.kv.allocate_slots(req, n, hit, hit_blocks if hit else None)
+            while blocks is None and not self.running and self.enable_chunked_prefill and n > 1:
+                # Alone in the cache, a request whose steady state fits must run: cut the
+                # prefill chunk until its allocation fits too.
+                n = max(1, n // 2)
+                blocks = self.kv.allocate_slots(req, n, hit, hit_blocks if hit else None)
             if blocks is None:
                 break
             self.waiting.popleft()

@@ -52,6 +52,8 @@ class FakeExecutor:
     check_wire: bool = True
     sliding_window: int | None = None
     """If set, odd layers use this window (a hybrid model: two KV groups)."""
+    all_sliding: bool = False
+    """With ``sliding_window``: every layer uses the window (one sliding group)."""
     script: dict[str, list[int]] = field(default_factory=dict)
     """Per request id: tokens to emit instead of the arithmetic rule."""
 
@@ -66,7 +68,8 @@ class FakeExecutor:
         full = LayerKVSpec(num_kv_heads=2, head_size=8, dtype_bytes=2)
         sw = LayerKVSpec(2, 8, 2, sliding_window=self.sliding_window)
         self.layer_specs = [
-            sw if self.sliding_window and i % 2 else full for i in range(self.num_layers)
+            sw if self.sliding_window and (i % 2 or self.all_sliding) else full
+            for i in range(self.num_layers)
         ]
         return WorkerReport(
             self.layer_specs,
