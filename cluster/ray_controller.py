@@ -34,6 +34,8 @@ from pagedserve.messages import (
     AbortRequest,
     AddRequest,
     EngineStatus,
+    FrameAuth,
+    FrameAuthError,
     MessageDecodeError,
     OutputBatch,
     StatusRequest,
@@ -79,6 +81,7 @@ class ReplicaServer:
         self.loop = loop
         self.model_name = model_name
         self.replica_index = replica_index
+        self.auth = FrameAuth.new()  # its key reaches clients through Ray, in ``info()``
         self._conns: dict[bytes, _ClientConn] = {}
         self._stopping = threading.Event()
         self._ctx = zmq.Context(io_threads=1)
@@ -132,8 +135,7 @@ class ReplicaServer:
                             frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        if len(frames) == 2:
-                            self._on_command(frames[0], frames[1])
+                        self._on_frames(frames)
                 if self._outbox.waker in events:
                     self._drain_outbox()
             self._drain_outbox()
@@ -146,7 +148,7 @@ class ReplicaServer:
 
     def _send_frame(self, identity: bytes, frame: bytes) -> None:
         try:
-            self._router.send_multipart([identity, frame])
+            self._router.send_multipart([identity, *self.auth.seal([frame])])
         except (zmq.Again, zmq.ZMQError) as exc:
             conn = self._conns.pop(identity, None)
             if conn is not None:
@@ -154,9 +156,15 @@ class ReplicaServer:
                             self.replica_index, identity.hex(), exc)
                 self.loop.disconnect(conn)
 
-    def _on_command(self, identity: bytes, body: bytes) -> None:
+    def _on_frames(self, frames: list[bytes]) -> None:
         try:
+            identity, body = frames[0], self.auth.open(frames[1:])[0]
             msg = decode(body)
+        except FrameAuthError:
+            # A stranger (or a stale client of another engine): never a command.
+            logger.warning("replica %d: dropped a frame that failed authentication",
+                           self.replica_index)
+            return
         except MessageDecodeError as exc:
             logger.warning("replica %d: dropping a bad frame: %s", self.replica_index, exc)
             return
@@ -212,6 +220,7 @@ class Controller:
         engine = self.server.engine
         return {
             "endpoint": self.server.endpoint,
+            "auth_key": self.server.auth.key,
             "model_name": self.server.model_name,
             "max_model_len": engine.max_model_len,
             "vocab_size": engine.vocab_size,

@@ -30,6 +30,7 @@ from pagedserve.messages import (
     AbortRequest,
     AddRequest,
     EngineStatus,
+    FrameAuth,
     MessageDecodeError,
     OutputBatch,
     StatusRequest,
@@ -71,6 +72,7 @@ class RemoteEngineClient(ClientBase):
         self.vocab_size: int = info["vocab_size"]
         self.block_size: int = info["block_size"]
         self.tokenizer = tokenizer
+        self._auth = FrameAuth(info["auth_key"])
         self.actor = actor
         self._on_close = on_close
         self._heartbeat_s = heartbeat_s
@@ -149,11 +151,11 @@ class RemoteEngineClient(ClientBase):
                 if self._sock in events:
                     for _ in range(1000):
                         try:
-                            frame = self._sock.recv(flags=zmq.NOBLOCK)
+                            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self._last_rx = time.monotonic()
-                        self._on_frame(frame)
+                        self._on_frames(frames)
                 if self._monitor in events:
                     recv_monitor_message(self._monitor)
                     self._check_alive("the connection to the controller dropped", at_once=True)
@@ -172,7 +174,7 @@ class RemoteEngineClient(ClientBase):
         frames = self._outgoing.drain()
         for i, frame in enumerate(frames):
             try:
-                self._sock.send(frame, flags=zmq.NOBLOCK)
+                self._sock.send_multipart(self._auth.seal([frame]), flags=zmq.NOBLOCK)
             except zmq.Again:
                 self._outgoing.put_back(frames[i:])
                 self._check_alive("the controller does not take commands", at_once=True)
@@ -197,10 +199,10 @@ class RemoteEngineClient(ClientBase):
         if not at_once and time.monotonic() - self._last_rx > self._dead_after_s:
             self._fail_all(reason)
 
-    def _on_frame(self, frame: bytes) -> None:
+    def _on_frames(self, frames: list[bytes]) -> None:
         try:
-            msg = decode(frame)
-        except MessageDecodeError as exc:
+            msg = decode(self._auth.open(frames)[0])
+        except MessageDecodeError as exc:  # FrameAuthError included
             logger.warning("dropping a bad frame from the controller: %s", exc)
             return
         if isinstance(msg, EngineStatus):

@@ -47,6 +47,8 @@ from pagedserve.cluster.wire_errors import (
     WorkerStepError,
 )
 from pagedserve.messages import (
+    FrameAuth,
+    FrameAuthError,
     MessageDecodeError,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -114,17 +116,31 @@ def _ms_left(deadline: float) -> int:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
-def _recv_by(sock: zmq.Socket, deadline: float) -> list[bytes] | None:
-    """The next multipart message, or None once ``deadline`` passes without one.
+def _recv_by(sock: zmq.Socket, deadline: float, auth: FrameAuth) -> list[bytes] | None:
+    """The next authentic multipart message (its tag checked and removed), or None once
+    ``deadline`` passes without one; frames that fail authentication are dropped and logged.
 
     A blocking receive bounded by RCVTIMEO: one call into libzmq on the hot path instead of a
     poll followed by a receive. With the deadline already past (0 ms) a message that is
     already queued is still taken.
     """
-    sock.setsockopt(zmq.RCVTIMEO, _ms_left(deadline))
+    while True:
+        sock.setsockopt(zmq.RCVTIMEO, _ms_left(deadline))
+        try:
+            frames = sock.recv_multipart()
+        except zmq.Again:
+            return None
+        opened = _open(auth, frames, routed=sock.type == zmq.ROUTER)
+        if opened is not None:
+            return opened
+
+
+def _open(auth: FrameAuth, frames: list[bytes], routed: bool) -> list[bytes] | None:
+    """A ROUTER's frames start with the sender's identity, which is not part of the tag."""
     try:
-        return sock.recv_multipart()
-    except zmq.Again:
+        return [frames[0], *auth.open(frames[1:])] if routed else auth.open(frames)
+    except FrameAuthError:
+        logger.warning("dropped a frame that failed authentication (%d parts)", len(frames))
         return None
 
 
@@ -147,6 +163,8 @@ class StepChannel:
         output_rank: int = 0,
         send_timeout_s: float = 5.0,
     ) -> None:
+        """Frames in both directions carry an HMAC with a secret made here and handed to the
+        ranks inside ``endpoints`` (through Ray): a stranger's frame is dropped."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= output_rank < world_size:
@@ -156,6 +174,7 @@ class StepChannel:
             raise ValueError(f"host must be this node's address (Ray's node IP), got {host!r}")
         self.world_size = world_size
         self.output_rank = output_rank
+        self._auth = FrameAuth.new()
         self._send_timeout_s = send_timeout_s
         self._ctx = zmq.Context(io_threads=1)
         self._closed = False
@@ -192,9 +211,9 @@ class StepChannel:
 
     # ------------------------------------------------------------------------------- set-up
     @property
-    def endpoints(self) -> tuple[str, str]:
-        """``(step_endpoint, reply_endpoint)``, the argument ``StepReceiver`` takes."""
-        return (self.step_endpoint, self.reply_endpoint)
+    def endpoints(self) -> tuple[str, str, bytes]:
+        """``(step_endpoint, reply_endpoint, frame key)``, the argument ``StepReceiver`` takes."""
+        return (self.step_endpoint, self.reply_endpoint, self._auth.key)
 
     @property
     def ranks(self) -> dict[int, RankInfo]:
@@ -231,9 +250,13 @@ class StepChannel:
                 raise HandshakeTimeoutError(missing, time.monotonic() - start)
             events = dict(self._poller.poll(_ms_left(deadline)))
             if self._step in events:
-                self._on_step_socket_frame(self._step.recv_multipart())
+                frames = _open(self._auth, self._step.recv_multipart(), routed=True)
+                if frames is not None:
+                    self._on_step_socket_frame(frames)
             if self._reply in events:
-                self._on_reply_socket_hello(self._reply.recv_multipart())
+                frames = _open(self._auth, self._reply.recv_multipart(), routed=False)
+                if frames is not None:
+                    self._on_reply_socket_hello(frames)
             self._ready = len(self._routes) == self.world_size and len(self._reply_seen) == (
                 self.world_size
             )
@@ -285,9 +308,11 @@ class StepChannel:
         if not isinstance(msg, SchedulerOutput):
             raise TypeError(f"broadcast takes a SchedulerOutput, got {type(msg).__name__}")
         frame = encode(msg)
+        sealed = self._auth.seal([StepFrame.STEP, frame])  # one tag: the same bytes to all
+        parts = lambda route: [route, *sealed]  # noqa: E731
         for rank in range(self.world_size):
             try:
-                self._step.send_multipart([self._routes[rank], StepFrame.STEP, frame])
+                self._step.send_multipart(parts(self._routes[rank]))
             except zmq.Again as exc:
                 raise StepTimeoutError(
                     msg.step_id, self._send_timeout_s, f"rank {rank} did not take the step"
@@ -314,7 +339,7 @@ class StepChannel:
         start = time.monotonic()
         deadline = start + timeout_s
         while True:
-            frames = _recv_by(self._reply, deadline)
+            frames = _recv_by(self._reply, deadline, self._auth)
             if frames is None:
                 raise StepTimeoutError(expected, time.monotonic() - start)
             kind = frames[0] if len(frames) == 2 else None
@@ -360,13 +385,15 @@ class StepChannel:
         self._check_open()
         for route in self._routes.values():
             try:
-                self._step.send_multipart([route, StepFrame.STOP, b""], flags=zmq.NOBLOCK)
+                self._step.send_multipart(
+                    [route, *self._auth.seal([StepFrame.STOP, b""])], flags=zmq.NOBLOCK
+                )
             except zmq.ZMQError:
                 pass  # gone or full: it is not going to confirm, which the result reports
         pending = set(self._routes)
         deadline = time.monotonic() + timeout_s
         while pending:
-            frames = _recv_by(self._reply, deadline)
+            frames = _recv_by(self._reply, deadline, self._auth)
             if frames is None:
                 break
             if len(frames) == 2 and frames[0] == StepFrame.BYE:

@@ -34,6 +34,7 @@ from pagedserve.messages import (
     AddResult,
     CompletionDelta,
     EngineStatus,
+    FrameAuth,
     KVCacheLayout,
     LayerKVSpec,
     ModelRunnerOutput,
@@ -98,6 +99,7 @@ class TinyExecutor:
 
     def __init__(self, fail_at_step: int | None = None, step_s: float = 0.0) -> None:
         self.rows: dict[str, list[int]] = {}
+        self.seen: set[str] = set()
         self.fail_at_step = fail_at_step
         self.step_s = step_s
 
@@ -115,6 +117,7 @@ class TinyExecutor:
             self.rows.pop(rid, None)
         done: dict[str, int] = {}
         for nr in so.new_reqs:
+            self.seen.add(nr.req_id)
             self.rows[nr.req_id] = [*nr.prompt_token_ids, *nr.output_token_ids, 0]
             self.rows[nr.req_id][-1] = nr.num_computed_tokens
         c = so.cached_reqs
@@ -155,7 +158,8 @@ def served():
     cfg = from_flat(block_size=4, num_gpu_blocks=64, max_model_len=64, max_num_batched_tokens=64)
     core = EngineCore(cfg, TinyExecutor(step_s=0.01), tokenizer=None, eos_token_ids=())
     server = ReplicaServer(EngineLoop(core), "tiny")
-    info = {"model_name": "tiny", "max_model_len": 64, "vocab_size": VOCAB, "block_size": 4}
+    info = {"model_name": "tiny", "max_model_len": 64, "vocab_size": VOCAB, "block_size": 4,
+            "auth_key": server.auth.key}
     clients: list[RemoteEngineClient] = []
 
     def connect(**kw) -> RemoteEngineClient:
@@ -221,7 +225,8 @@ def test_engine_death_reaches_client() -> None:
     core = EngineCore(cfg, TinyExecutor(fail_at_step=3), tokenizer=None, eos_token_ids=())
     server = ReplicaServer(EngineLoop(core), "tiny")
     client = RemoteEngineClient(server.endpoint, {"model_name": "t", "max_model_len": 64,
-                                                  "vocab_size": VOCAB, "block_size": 4})
+                                                  "vocab_size": VOCAB, "block_size": 4,
+                                                  "auth_key": server.auth.key})
     try:
         q: queue.SimpleQueue = queue.SimpleQueue()
         add(client, "a", [1], SamplingParams(max_tokens=20, ignore_eos=True), q.put)
@@ -236,3 +241,35 @@ def test_engine_death_reaches_client() -> None:
     finally:
         client.shutdown()
         server.shutdown()
+
+
+def test_a_strangers_well_formed_commands_change_nothing(served) -> None:
+    """A DEALER that reaches the controller's port without the engine's key cannot add, abort
+    or even ask for status; the engine's own client still can."""
+    import zmq
+
+    server, connect = served
+    client = connect()
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    add(client, "mine", [1, 2], long, q.put)
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(server.endpoint)
+        forged = FrameAuth.new()
+        for msg in (AddRequest("evil", [3, 4], SamplingParams(max_tokens=30)),
+                    AbortRequest("mine"), StatusRequest(1)):
+            stranger.send_multipart([encode(msg)])
+            stranger.send_multipart(forged.seal([encode(msg)]))
+        assert not stranger.poll(500)  # no answer of any kind
+        got = _collect(q, 1)
+        assert got["mine"].outputs[0].finish_reason == "length"  # not aborted
+        assert len(got["mine"].outputs[0].token_ids) == 40
+        stats = client.stats()
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+        seen = server.engine.executor.seen
+        assert any(r.endswith(":mine") for r in seen) and not any("evil" in r for r in seen)
+    finally:
+        ctx.destroy(linger=0)

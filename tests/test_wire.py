@@ -23,6 +23,7 @@ from pagedserve.cluster.wire_errors import (
 )
 from pagedserve.messages import (
     CachedRequestData,
+    FrameAuth,
     ModelRunnerOutput,
     SchedulerOutput,
     encode,
@@ -215,8 +216,10 @@ def test_failure_on_a_non_output_rank_surfaces_with_its_rank_and_node(group) -> 
 
 
 def test_garbage_on_the_reply_socket_is_rejected_and_the_channel_survives(group) -> None:
+    """Frames that pass authentication but break the protocol (a buggy rank's)."""
     chan, _ = group(1)
     chan.wait_ready(timeout_s=5)
+    auth = FrameAuth(chan.endpoints[2])
     ctx = zmq.Context()
     intruder = ctx.socket(zmq.PUSH)
     intruder.setsockopt(zmq.LINGER, 0)
@@ -231,7 +234,7 @@ def test_garbage_on_the_reply_socket_is_rejected_and_the_channel_survives(group)
         [b"what", b""],
     ]
     for frames in garbage:
-        intruder.send_multipart(frames)
+        intruder.send_multipart(auth.seal(frames))
     try:
         rejected, outputs = 0, []
         for k in range(2):
@@ -258,23 +261,27 @@ def test_garbage_from_the_controller_is_rejected_by_the_rank() -> None:
     router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
     router.bind("tcp://127.0.0.1:0")
     pull.bind("tcp://127.0.0.1:0")
-    endpoints = (router.LAST_ENDPOINT.decode(), pull.LAST_ENDPOINT.decode())
+    auth = FrameAuth.new()
+    endpoints = (router.LAST_ENDPOINT.decode(), pull.LAST_ENDPOINT.decode(), auth.key)
     rx = StepReceiver(endpoints, rank=0, is_output_rank=True, node="n")
     try:
         assert router.poll(5000)
-        route, kind, _ = router.recv_multipart()
+        route, kind, _, _tag = router.recv_multipart()
         assert kind == b"hello"
         for frames in ([b"step", b"\xc1"], [b"step", encode(ModelRunnerOutput(1))], [b"x"]):
-            router.send_multipart([route, *frames])
+            router.send_multipart([route, *auth.seal(frames)])
             with pytest.raises(BadStepFrameError):
                 rx.recv(timeout_s=5)
-        router.send_multipart([route, b"step", encode(_decode_step(3))])
+        # A stranger's well-formed step (no key, or another key) is dropped unseen.
+        router.send_multipart([route, b"step", encode(_decode_step(7))])
+        router.send_multipart([route, *FrameAuth.new().seal([b"step", encode(_decode_step(8))])])
+        router.send_multipart([route, *auth.seal([b"step", encode(_decode_step(3))])])
         assert rx.recv(timeout_s=5) == _decode_step(3)
         with pytest.raises(StepReceiveTimeout):
             rx.recv(timeout_s=0.05)
         with pytest.raises(ValueError, match="not the output rank"):
             StepReceiver(endpoints, rank=1, is_output_rank=False).reply(ModelRunnerOutput(3))
-        router.send_multipart([route, b"stop", b""])
+        router.send_multipart([route, *auth.seal([b"stop", b""])])
         with pytest.raises(ChannelStopped):
             rx.recv(timeout_s=5)
     finally:
@@ -343,7 +350,7 @@ def test_close_releases_the_ports() -> None:
         chan.broadcast(_decode_step(0))
     ctx = zmq.Context()
     try:
-        for endpoint in endpoints:
+        for endpoint in endpoints[:2]:
             sock = ctx.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(endpoint)  # raises EADDRINUSE if the channel still held it
@@ -360,3 +367,27 @@ def test_errors_survive_pickling() -> None:
     ):
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err)
+
+
+def test_a_strangers_well_formed_frames_change_nothing(group) -> None:
+    """Anything that reaches the ports without the engine's key is dropped: a fake hello, a
+    fake output for the step in flight, a fake failure report."""
+    chan, _ = group(1)
+    chan.wait_ready(timeout_s=5)
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.PUSH)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(chan.reply_endpoint)
+        forged = FrameAuth.new()
+        chan.broadcast(_decode_step(0))
+        fake_out = ModelRunnerOutput(0, ["r0"], [12345])
+        stranger.send_multipart([b"out", encode(fake_out)])
+        stranger.send_multipart(forged.seal([b"out", encode(fake_out)]))
+        stranger.send_multipart([b"fail", encode([0, "x", 0, "E", "forged", ""])])
+        out = chan.recv_reply(timeout_s=5)
+        assert out != fake_out and 12345 not in out.sampled_token_ids
+        chan.broadcast(_decode_step(1))
+        assert chan.recv_reply(timeout_s=5).step_id == 1
+    finally:
+        ctx.destroy(linger=0)

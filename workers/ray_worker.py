@@ -140,7 +140,7 @@ class RayWorker:
     @ray.method(concurrency_group="loop")
     def run(
         self,
-        endpoints: Sequence[str],
+        endpoints: Sequence[str | bytes],
         rank: int,
         is_output_rank: bool,
         recv_timeout_s: float = 1.0,

@@ -16,6 +16,7 @@ A receiver instance belongs to the thread that uses it. Every wait is bounded.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -26,6 +27,8 @@ from collections.abc import Sequence
 import zmq
 
 from pagedserve.messages import (
+    FrameAuth,
+    FrameAuthError,
     MessageDecodeError,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -33,6 +36,8 @@ from pagedserve.messages import (
     decode,
     encode,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BadStepFrameError",
@@ -84,7 +89,9 @@ def _ms_left(deadline: float) -> int:
 class StepReceiver:
     """One rank's end of the step channel.
 
-    ``endpoints`` is ``StepChannel.endpoints``: ``(step_endpoint, reply_endpoint)``. Construction
+    ``endpoints`` is ``StepChannel.endpoints``: ``(step_endpoint, reply_endpoint, key)``; every
+    frame either way carries an HMAC with that key, and frames without a valid one (a
+    stranger's) are dropped. Construction
     connects and says hello on both sockets, waiting for each connection at most
     ``send_timeout_s`` (``ControllerUnreachableError`` otherwise). ``node`` names the rank in
     the controller's errors (pass the Ray node id; the host name by default).
@@ -92,16 +99,19 @@ class StepReceiver:
 
     def __init__(
         self,
-        endpoints: Sequence[str],
+        endpoints: Sequence[str | bytes],
         rank: int,
         is_output_rank: bool,
         node: str | None = None,
         send_timeout_s: float = 10.0,
     ) -> None:
-        if len(endpoints) != 2 or not all(isinstance(e, str) for e in endpoints):
+        if len(endpoints) != 3 or not all(isinstance(e, str) for e in endpoints[:2]):
             raise ValueError(
-                f"endpoints must be (step_endpoint, reply_endpoint), got {endpoints!r}"
+                f"endpoints must be (step_endpoint, reply_endpoint, key), got {endpoints!r:.200}"
             )
+        step_endpoint, reply_endpoint, key = endpoints
+        assert isinstance(step_endpoint, str) and isinstance(reply_endpoint, str)
+        self._auth = FrameAuth(key)  # type: ignore[arg-type]
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.rank = rank
@@ -114,7 +124,7 @@ class StepReceiver:
         try:
             self._step = self._ctx.socket(zmq.DEALER)
             self._reply = self._ctx.socket(zmq.PUSH)
-            for sock, endpoint in ((self._step, endpoints[0]), (self._reply, endpoints[1])):
+            for sock, endpoint in ((self._step, step_endpoint), (self._reply, reply_endpoint)):
                 sock.setsockopt(zmq.LINGER, 0)
                 # Queue nothing for a connection that is not up: a send waits for it, never
                 # longer than the send deadline, so a wrong or dead controller address fails
@@ -127,8 +137,8 @@ class StepReceiver:
             # connection is re-established.
             routing_id = f"r{rank}:{os.getpid()}:{self.node}".encode()[:255]  # zmq's limit
             self._step.setsockopt(zmq.ROUTING_ID, routing_id)
-            self._step.connect(endpoints[0])
-            self._reply.connect(endpoints[1])
+            self._step.connect(step_endpoint)
+            self._reply.connect(reply_endpoint)
             hello = encode([StepFrame.VERSION, rank, self.node, os.getpid(), is_output_rank])
             self._send(self._step, [StepFrame.HELLO, hello], "hello on the step socket")
             self._send(self._reply, [StepFrame.HELLO, hello], "hello on the reply socket")
@@ -143,11 +153,17 @@ class StepReceiver:
         start = time.monotonic()
         # A blocking receive bounded by RCVTIMEO: one call into libzmq per step, not a poll and
         # then a receive.
-        self._step.setsockopt(zmq.RCVTIMEO, _ms_left(start + timeout_s))
-        try:
-            frames = self._step.recv_multipart()
-        except zmq.Again:
-            raise StepReceiveTimeout(time.monotonic() - start) from None
+        while True:
+            self._step.setsockopt(zmq.RCVTIMEO, _ms_left(start + timeout_s))
+            try:
+                frames = self._step.recv_multipart()
+            except zmq.Again:
+                raise StepReceiveTimeout(time.monotonic() - start) from None
+            try:
+                frames = self._auth.open(frames)
+                break
+            except FrameAuthError:
+                logger.warning("rank %d: dropped a frame that failed authentication", self.rank)
         if len(frames) == 2 and frames[0] == StepFrame.STEP:
             try:
                 step = decode(frames[1])
@@ -193,7 +209,7 @@ class StepReceiver:
 
     def _send(self, sock: zmq.Socket, frames: list[bytes], what: str, quiet: bool = False) -> None:
         try:
-            sock.send_multipart(frames)
+            sock.send_multipart(self._auth.seal(frames))
         except zmq.Again as exc:
             if quiet:
                 return
