@@ -411,6 +411,16 @@ def encode(obj: Any) -> bytes:
     return msgpack.packb(obj, default=_default, use_bin_type=True)
 
 
+def decode_message(data: bytes, types: tuple[type, ...]) -> Any:
+    """``decode``, and the result must be one of ``types``: a socket that expects messages
+    never hands on plain data or a message of another kind."""
+    msg = decode(data)
+    if not isinstance(msg, types):
+        raise MessageDecodeError(f"expected {' or '.join(t.__name__ for t in types)}, "
+                                 f"got {type(msg).__name__}")
+    return msg
+
+
 def decode(data: bytes) -> Any:
     """Decode bytes made by ``encode``; raises ``MessageDecodeError`` on anything else."""
     try:
@@ -456,6 +466,6 @@ class FrameAuth:
 
     def open(self, frames: list[bytes]) -> list[bytes]:
         """The parts of a sealed frame; ``FrameAuthError`` when its tag does not check."""
-        if len(frames) < 2 or not hmac.compare_digest(frames[-1], self._tag(frames[:-1])):
+        if not frames or not hmac.compare_digest(frames[-1], self._tag(frames[:-1])):
             raise FrameAuthError("frame rejected: missing or wrong authentication tag")
         return frames[:-1]

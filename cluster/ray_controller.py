@@ -39,7 +39,7 @@ from pagedserve.messages import (
     MessageDecodeError,
     OutputBatch,
     StatusRequest,
-    decode,
+    decode_message,
     encode,
 )
 
@@ -159,7 +159,7 @@ class ReplicaServer:
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
             identity, body = frames[0], self.auth.open(frames[1:])[0]
-            msg = decode(body)
+            msg = decode_message(body, (AddRequest, AbortRequest, StatusRequest))
         except FrameAuthError:
             # A stranger (or a stale client of another engine): never a command.
             logger.warning("replica %d: dropped a frame that failed authentication",
@@ -175,10 +175,8 @@ class ReplicaServer:
             loop = self.loop
             status = EngineStatus(loop.is_healthy(), loop.stats(), loop.error, msg.seq)
             self._send_frame(identity, encode(status))
-        elif isinstance(msg, (AddRequest, AbortRequest)):
-            self.loop.submit(conn, msg)
         else:
-            logger.warning("replica %d: unexpected %s", self.replica_index, type(msg).__name__)
+            self.loop.submit(conn, msg)
 
 
 class Controller:

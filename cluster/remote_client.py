@@ -34,7 +34,7 @@ from pagedserve.messages import (
     MessageDecodeError,
     OutputBatch,
     StatusRequest,
-    decode,
+    decode_message,
     encode,
 )
 
@@ -201,7 +201,7 @@ class RemoteEngineClient(ClientBase):
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
-            msg = decode(self._auth.open(frames)[0])
+            msg = decode_message(self._auth.open(frames)[0], (OutputBatch, EngineStatus))
         except MessageDecodeError as exc:  # FrameAuthError included
             logger.warning("dropping a bad frame from the controller: %s", exc)
             return
@@ -213,10 +213,7 @@ class RemoteEngineClient(ClientBase):
                     self._status = EngineStatus(msg.healthy, msg.stats, msg.error,
                                                 self._status.seq)
                 self._status_cv.notify_all()
-        if isinstance(msg, (OutputBatch, EngineStatus)):
-            self._on_message(msg)
-        else:
-            logger.warning("unexpected %s from the controller", type(msg).__name__)
+        self._on_message(msg)
 
     def _fail_all(self, reason: str) -> None:
         super()._fail_all(reason)
