@@ -137,10 +137,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    max_pending_requests: int = 4096
+    """Requests the engine holds at once (running, waiting and queued adds); more are refused
+    with ``EngineOverloadedError`` (HTTP 503) instead of queueing without bound."""
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_pending_requests", self.max_pending_requests, 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from pagedserve.kv.errors import RequestTooLargeError as _KVRequestTooLargeError
 __all__ = [
     "DuplicateRequestError",
     "EngineDeadError",
+    "EngineOverloadedError",
     "EmptyPromptError",
     "InvalidTokenError",
     "PromptTooLongError",
@@ -61,6 +62,10 @@ class UnknownRequestError(RequestError, KeyError):
     """No unfinished request has this id."""
 
 
+class EngineOverloadedError(RequestError):
+    """The engine already holds ``max_pending_requests`` requests: try again later."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (its workers could not be rebuilt, or it was shut down); in-flight
     requests failed."""
@@ -77,6 +82,7 @@ _BY_CODE: dict[str, type[Exception]] = {
         UnsupportedRequestError,
         RequestTooLargeError,
         UnknownRequestError,
+        EngineOverloadedError,
         EngineDeadError,
     )
 }

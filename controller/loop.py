@@ -7,6 +7,11 @@ per iteration with the verdicts on its adds and the step's deltas of its request
 engine fails (or the loop stops) every owned request ends with an error delta, pending adds
 are refused with ``EngineDeadError`` and every client hears ``EngineStatus(healthy=False)``.
 
+Bounded: the loop holds at most ``scheduler.max_pending_requests`` requests (owned plus adds
+queued); an add beyond that is refused at once with ``EngineOverloadedError``, nothing queued.
+Aborts always pass. Each client's outputs leave the loop at once (sinks never block), so what
+waits downstream is bounded by the requests held.
+
 The in-process client (``controller.client.LocalEngineClient``) and the Ray controller actor
 (``cluster.ray_controller``) both run this loop; they differ only in their connections.
 Request ids are namespaced per connection, so two clients may use the same ids.
@@ -20,7 +25,12 @@ import threading
 from typing import Any, Protocol
 
 from pagedserve.controller.engine_core import EngineCore
-from pagedserve.controller.errors import EngineDeadError, RequestError, error_code
+from pagedserve.controller.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestError,
+    error_code,
+)
 from pagedserve.controller.outputs import failed_delta
 from pagedserve.messages import (
     AbortRequest,
@@ -59,14 +69,30 @@ class EngineLoop:
         self._batches: dict[int, OutputBatch] = {}
         self._stats: dict[str, Any] = dict(engine.stats())
         self._dead: str | None = None
+        self._max_pending = engine.config.scheduler.max_pending_requests
+        self._queued_adds = 0  # adds submitted and not yet applied (any thread: under a lock)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
     def submit(self, conn: Connection, msg: AddRequest | AbortRequest) -> None:
-        if self._dead is not None:
-            if isinstance(msg, AddRequest):
-                conn.send(OutputBatch([_refusal(msg, EngineDeadError(self._dead))], []))
+        if isinstance(msg, AddRequest):
+            refusal: Exception | None = None
+            with self._lock:
+                if self._dead is not None:
+                    refusal = EngineDeadError(self._dead)
+                elif len(self._owners) + self._queued_adds >= self._max_pending:
+                    refusal = EngineOverloadedError(
+                        f"the engine holds {self._max_pending} requests "
+                        "(max_pending_requests); retry later"
+                    )
+                else:
+                    self._queued_adds += 1
+            if refusal is not None:
+                conn.send(OutputBatch([_refusal(msg, refusal)], []))
+                return
+        elif self._dead is not None:
             return
         self._commands.put((conn, msg))
 
@@ -121,6 +147,8 @@ class EngineLoop:
                 break
             conn, msg = cmd
             if isinstance(msg, AddRequest):
+                with self._lock:
+                    self._queued_adds -= 1
                 self._add(conn, msg)
             elif isinstance(msg, AbortRequest):
                 delta = self.engine.abort_request(self._key(conn, msg.request_id))

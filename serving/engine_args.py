@@ -17,6 +17,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--max-num-seqs", type=int, default=256)
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--max-pending-requests", type=int, default=4096,
+                     help="requests held at once; more are refused (HTTP 503)")
     eng.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     eng.add_argument("--num-gpu-blocks", type=int, default=None)
     eng.add_argument("--no-prefix-caching", action="store_true")
@@ -39,6 +41,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_pending_requests": args.max_pending_requests,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "num_gpu_blocks": args.num_gpu_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,

@@ -21,6 +21,7 @@ from pagedserve.controller.client import EngineClient
 from pagedserve.controller.errors import (
     EmptyPromptError,
     EngineDeadError,
+    EngineOverloadedError,
     InvalidTokenError,
     PromptTooLongError,
     RequestError,
@@ -249,6 +250,8 @@ def submit_error(exc: BaseException, prompt_param: str) -> APIError:
     """Translate what ``add_request`` raised into the API's error."""
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(f"the engine is not running: {exc}")
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), type="service_unavailable_error", code="engine_overloaded")
     if isinstance(exc, RequestError):
         param: str | None = None
         if isinstance(exc, (EmptyPromptError, InvalidTokenError, PromptTooLongError)):

@@ -170,9 +170,11 @@ def make_engine(
     enable_prefix_caching: bool = True,
     allocation_policy: str = "paged",
     executor: FakeExecutor | None = None,
+    max_pending_requests: int = 4096,
     **kwargs: Any,
 ) -> EngineCore:
     cfg = from_flat(
+        max_pending_requests=max_pending_requests,
         allocation_policy=allocation_policy,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,

@@ -8,7 +8,7 @@ import pytest
 from helpers.sinks import add
 
 from pagedserve.controller.client import LocalEngineClient
-from pagedserve.controller.errors import EmptyPromptError, EngineDeadError
+from pagedserve.controller.errors import EmptyPromptError, EngineDeadError, EngineOverloadedError
 from pagedserve.controller.loop import EngineLoop
 from pagedserve.messages import RequestOutput, SamplingParams
 
@@ -85,5 +85,24 @@ def test_dead_engine_fails_requests_and_refuses_new_ones(kit) -> None:
         assert not client.is_healthy()
         with pytest.raises(EngineDeadError):
             add(client, "r2", [4], SamplingParams(), Collector())
+    finally:
+        client.shutdown()
+
+
+def test_the_loop_is_bounded_and_refuses_adds_beyond_it(kit) -> None:
+    engine = kit.make_engine(max_pending_requests=2)
+    client = LocalEngineClient(EngineLoop(engine.core), "fake")
+    try:
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        sinks = [Collector(), Collector()]
+        add(client, "a", [3] * 4, long, sinks[0])
+        add(client, "b", [4] * 4, long, sinks[1])
+        with pytest.raises(EngineOverloadedError, match="max_pending_requests"):
+            add(client, "c", [5] * 4, long, Collector())
+        client.abort_request("a")  # aborts always pass, and free a place
+        assert sinks[0].done.wait(10)
+        ok = Collector()
+        add(client, "c", [5] * 4, SamplingParams(max_tokens=2, ignore_eos=True), ok)
+        assert ok.done.wait(10)
     finally:
         client.shutdown()

@@ -11,7 +11,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from pagedserve.controller.errors import EngineDeadError
+from pagedserve.controller.errors import EngineDeadError, EngineOverloadedError
 from pagedserve.serving.api_server import build_app
 
 KEY = "sekrit-key"
@@ -175,6 +175,33 @@ class DeadClient:
 
     def shutdown(self) -> None:
         pass
+
+
+class OverloadedClient(DeadClient):
+    """A healthy engine that already holds max_pending_requests requests."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+
+    def add_request(self, request, sink) -> None:
+        raise EngineOverloadedError("the engine holds 2 requests (max_pending_requests)")
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def test_a_full_engine_is_a_typed_503() -> None:
+    app = build_app(OverloadedClient())
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            resp = await http.post("/v1/completions", json={"prompt": [1, 2, 3]})
+            err = _error(resp, 503)
+            assert err["code"] == "engine_overloaded" and "max_pending_requests" in err["message"]
+            assert (await http.get("/health")).status_code == 200
+
+    asyncio.run(go())
 
 
 @pytest.mark.parametrize("healthy", [False, True])
