@@ -30,7 +30,6 @@ def allocate_general(
     end: int,
     num_new_computed_tokens: int,
     new_computed_blocks: KVCacheBlocks | None,
-    lookahead: int,
 ) -> KVCacheBlocks | None:
     rid = request.request_id
     bs = mgr.block_size
@@ -38,10 +37,7 @@ def allocate_general(
     existing = [m.req_to_blocks.get(rid) for m in managers]
     is_new = existing[0] is None
     hits = _validate_hits(mgr, request, is_new, num_new_computed_tokens, new_computed_blocks)
-    need_slot = min(end + lookahead, mgr.max_model_len)
-    if mgr.policy == "reserve":
-        need_slot = mgr.max_model_len
-    target = -(-need_slot // bs)
+    target = -(-(mgr.max_model_len if mgr.policy == "reserve" else end) // bs)
     prev_computed = request.num_computed_tokens
 
     # Plan (read-only): count what this call would consume and release.

@@ -228,18 +228,16 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
-        """Make room for ``num_new_tokens`` more tokens (plus lookahead draft slots).
+        """Make room for ``num_new_tokens`` more tokens.
 
         ``num_new_computed_tokens``/``new_computed_blocks`` are the prefix hit of a new request
         from :meth:`get_computed_blocks`. Returns the newly allocated blocks per group, or
         ``None`` with **no state changed** if they do not fit. Touching a free cached hit block
         takes it out of the free queue, so it counts against the free blocks like a new one.
         Full blocks among the first ``min(computed + new, num_tokens)`` tokens are registered
-        in the prefix cache (draft/lookahead slots never are). A write into a block shared by
-        :meth:`fork` first gives the writer a private copy (see :meth:`take_pending_copies`).
-        Lookahead slots are capped at ``max_model_len``.
+        in the prefix cache. A write into a block shared by :meth:`fork` first gives the
+        writer a private copy (see :meth:`take_pending_copies`).
 
         Raises:
             InvalidArgumentError: ``num_new_tokens <= 0``, a negative count, tokens beyond
@@ -251,7 +249,6 @@ class KVCacheManager:
             and new_computed_blocks is None
             and num_new_computed_tokens == 0
             and num_new_tokens > 0
-            and num_lookahead_tokens >= 0
         ):
             # Hot path (every running request, every step), inlined because it runs ~256 times
             # per step: one full-attention group, paged policy, a request already holding
@@ -271,12 +268,8 @@ class KVCacheManager:
                     stop = n_have
                 while i < stop and blocks[i].ref_cnt == 1:
                     i += 1
-                max_len = self.max_model_len
-                if i >= stop and end <= max_len:
-                    need_slot = end + num_lookahead_tokens
-                    if need_slot > max_len:
-                        need_slot = max_len
-                    n_new = -(-need_slot // bs) - n_have
+                if i >= stop and end <= self.max_model_len:
+                    n_new = -(-end // bs) - n_have
                     result = self._empty
                     if n_new > 0:
                         pool = self.pool
@@ -298,10 +291,10 @@ class KVCacheManager:
                                 )
                     self._num_filled[rid] = end
                     return result
-        if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+        if num_new_tokens <= 0 or num_new_computed_tokens < 0:
             raise InvalidArgumentError(
-                f"need num_new_tokens > 0 and non-negative counts, got {num_new_tokens}, "
-                f"{num_new_computed_tokens}, {num_lookahead_tokens}"
+                f"need num_new_tokens > 0 and num_new_computed_tokens >= 0, got "
+                f"{num_new_tokens}, {num_new_computed_tokens}"
             )
         computed = request.num_computed_tokens + num_new_computed_tokens
         end = computed + num_new_tokens
@@ -314,7 +307,6 @@ class KVCacheManager:
             end,
             num_new_computed_tokens,
             new_computed_blocks,
-            num_lookahead_tokens,
         )
 
     # ------------------------------------------------------------ release etc.

@@ -47,7 +47,6 @@ def assert_unchanged(m: KVCacheManager, before) -> None:  # type: ignore[no-unty
         {"num_new_tokens": 0},
         {"num_new_tokens": -1},
         {"num_new_tokens": 1, "num_new_computed_tokens": -16},
-        {"num_new_tokens": 1, "num_lookahead_tokens": -1},
         {"num_new_tokens": 1, "num_new_computed_tokens": 16},  # hit tokens without blocks
         {"num_new_tokens": 300},  # beyond max_model_len
     ],
