@@ -19,7 +19,6 @@ from pagedserve.kv.errors import (
 from pagedserve.kv.hashing import ROOT_HASH, BlockHasher, hash_block, hash_block_tokens
 from pagedserve.kv.kv_blocks import KVCacheBlocks, PrefixCacheStats
 from pagedserve.kv.manager import AllocationPolicy, KVCacheManager
-from pagedserve.kv.simple_request import SimpleRequest
 from pagedserve.kv.single_type import (
     FullAttentionManager,
     SingleTypeManager,
@@ -54,7 +53,6 @@ __all__ = [
     "KVRequest",
     "PrefixCacheStats",
     "RequestTooLargeError",
-    "SimpleRequest",
     "SingleTypeManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.kv_requests import SimpleRequest
 
 from pagedserve.kv import (
     BlockHasher,
@@ -11,7 +12,6 @@ from pagedserve.kv import (
     KVCacheError,
     KVCacheManager,
     RequestTooLargeError,
-    SimpleRequest,
     SlidingWindowSpec,
     UnknownRequestError,
 )

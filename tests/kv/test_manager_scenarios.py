@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from helpers.kv_requests import SimpleRequest
 
 from pagedserve.kv import (
     BlockHasher,
     BlockPool,
     FullAttentionSpec,
     KVCacheManager,
-    SimpleRequest,
     SlidingWindowSpec,
 )
 

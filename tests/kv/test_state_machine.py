@@ -6,6 +6,7 @@ the manager bit-for-bit unchanged; freeing every request must return every usabl
 
 from __future__ import annotations
 
+from helpers.kv_requests import SimpleRequest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -20,7 +21,6 @@ from pagedserve.kv import (
     BlockHasher,
     FullAttentionSpec,
     KVCacheManager,
-    SimpleRequest,
     SlidingWindowSpec,
 )
 
