@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pagedserve.kernels import NO_CP, CPLayout, cp_owner_and_offset
 from pagedserve.workers.buffers import HostDeviceBuffer
 
 
@@ -26,20 +27,13 @@ class BlockTable:
         block_size: int,
         device: torch.device,
         *,
-        cp_size: int = 1,
-        cp_rank: int = 0,
-        cp_interleave: int = 1,
+        cp: CPLayout = NO_CP,
     ) -> None:
         """``block_size`` is the per-rank block size ``B``."""
-        if block_size % cp_interleave or not 0 <= cp_rank < cp_size:
-            raise ValueError(
-                f"bad block table geometry: block_size={block_size}, "
-                f"cp={cp_rank}/{cp_size}, interleave={cp_interleave}"
-            )
+        if block_size % cp.interleave:
+            raise ValueError(f"cp interleave {cp.interleave} does not divide block {block_size}")
         self.block_size = block_size
-        self.cp_size = cp_size
-        self.cp_rank = cp_rank
-        self.cp_interleave = cp_interleave
+        self.cp = cp
         self.table = HostDeviceBuffer(
             max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device
         )
@@ -87,13 +81,10 @@ class BlockTable:
         """
         req_indices = np.asarray(req_indices, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
-        w, inter, b = self.cp_size, self.cp_interleave, self.block_size
-        virtual = b * w
-        off = positions % virtual
-        owner = (off // inter) % w
-        local = (off // (w * inter)) * inter + off % inter
-        slots = self.np[req_indices, positions // virtual].astype(np.int64) * b + local
-        return np.where(owner == self.cp_rank, slots, -1)
+        b, cp = self.block_size, self.cp
+        owner, local = cp_owner_and_offset(positions, b, cp.size, cp.interleave)
+        slots = self.np[req_indices, positions // (b * cp.size)].astype(np.int64) * b + local
+        return np.where(owner == cp.rank, slots, -1)
 
     def commit(self, num_reqs: int) -> torch.Tensor:
         """Publish the first ``num_reqs`` rows; returns the device table ``[num_reqs, width]``."""

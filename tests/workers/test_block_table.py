@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.kernels import CPLayout
 from pagedserve.workers.block_table import BlockTable, MultiGroupBlockTable
 
 CPU = torch.device("cpu")
@@ -65,7 +66,7 @@ def test_slot_mapping_with_dcp(w, interleave):
     owners = []
     seen_slots = set()
     for rank in range(w):
-        t = table(cp_size=w, cp_rank=rank, cp_interleave=interleave)
+        t = table(cp=CPLayout(rank, w, interleave))
         t.add_row(ids, 1)
         got = t.slot_mapping(np.ones(len(positions), dtype=np.int64), np.array(positions))
         assert got.tolist() == _reference_slots(ids, positions, b, w, interleave, rank)
@@ -86,7 +87,7 @@ def test_slot_mapping_matches_kernel_cp_layout():
     from pagedserve.kernels import cp_owner_and_offset
 
     b, w, inter = 8, 3, 2
-    t = table(block_size=b, cp_size=w, cp_rank=1, cp_interleave=inter)
+    t = table(block_size=b, cp=CPLayout(1, w, inter))
     t.add_row([4, 6], 0)
     pos = np.arange(2 * b * w)
     owner, local = cp_owner_and_offset(pos, b, w, inter)
