@@ -3,8 +3,8 @@
 256 requests run at once; each step every running request decodes one token, finished requests
 are freed and new arrivals admitted (prefix lookup + prompt allocation) to refill the batch.
 Every request starts with the same system prompt, so admissions get prefix hits. Lengths are
-truncated log-normals (peers-and-benchmarks §4.4: input mu=4.434 sigma=1.2, output mu=5.435
-sigma=1.0, both in [4, 2048]; pairs over max_model_len rejected). Seeded.
+truncated log-normals fitted to ShareGPT (input mu=4.434 sigma=1.2, output mu=5.435 sigma=1.0,
+both in [4, 2048]; pairs over max_model_len rejected). Seeded.
 
 Prints: microseconds of KV-manager work per scheduler step (manager calls plus the request's
 token append / block hashing), median and p90 over the steady-state steps; the prefix-hit rate;

@@ -1,7 +1,7 @@
 """Controller-side paged KV block management: pure Python + numpy (no torch, no ray).
 
-See DESIGN.md §3. The scheduler talks to :class:`KVCacheManager`; requests keep their block
-hashes current with :class:`BlockHasher`.
+The scheduler talks to :class:`KVCacheManager`; requests keep their block hashes current with
+:class:`BlockHasher`.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def test_slot_mapping_without_cp():
 
 
 def _reference_slots(ids, positions, b, w, inter, rank):
-    """Direct transcription of DESIGN.md §4 for one request."""
+    """The DCP slot rule written out directly for one request: virtual block V = B * W,
+    owner (off // I) % W, local offset (off // (W * I)) * I + off % I, else -1."""
     out = []
     v = b * w
     for p in positions:
