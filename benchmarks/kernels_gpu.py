@@ -127,8 +127,8 @@ def parity(torch, kernels, device: str, quick: bool) -> list[tuple[str, str, flo
             for r in range(w):
                 out = torch.full_like(q, math.nan)
                 lses.append(kernels.triton_paged_attention(
-                    q, caches[r], out, cu, lens, table, scale, cp_rank=r, cp_size=w,
-                    cp_interleave=inter, return_lse=True))
+                    q, caches[r], out, cu, lens, table, scale,
+                    cp=kernels.CPLayout(r, w, inter), return_lse=True))
                 outs.append(out)
             merged, _ = kernels.triton_merge_attn_states(torch.stack(outs), torch.stack(lses))
             q1, c1, cu1, lens1, t1, _ = make_batch(*args, seed=w)  # same tokens, one rank

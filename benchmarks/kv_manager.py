@@ -3,8 +3,8 @@
 256 requests run at once; each step every running request decodes one token, finished requests
 are freed and new arrivals admitted (prefix lookup + prompt allocation) to refill the batch.
 Every request starts with the same system prompt, so admissions get prefix hits. Lengths are
-truncated log-normals (peers-and-benchmarks §4.4: input mu=4.434 sigma=1.2, output mu=5.435
-sigma=1.0, both in [4, 2048]; pairs over max_model_len rejected). Seeded.
+truncated log-normals fitted to ShareGPT (input mu=4.434 sigma=1.2, output mu=5.435 sigma=1.0,
+both in [4, 2048]; pairs over max_model_len rejected). Seeded.
 
 Prints: microseconds of KV-manager work per scheduler step (manager calls plus the request's
 token append / block hashing), median and p90 over the steady-state steps; the prefix-hit rate;
@@ -37,9 +37,35 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.kv import BlockHasher, KVCacheManager, SimpleRequest
+from pagedserve.kv import BlockHasher, KVCacheManager
 
 Op = list[Any]
+
+
+class TraceRequest:
+    """The request view the KV manager reads (``pagedserve.kv.KVRequest``). Its prompt blocks
+    are hashed by the timed loop, not here: creating the request is the scheduler's work."""
+
+    __slots__ = ("request_id", "all_token_ids", "num_computed_tokens", "block_hashes", "hasher")
+    cache_salt = None
+
+    def __init__(self, request_id: str, prompt: list[int], hasher: BlockHasher) -> None:
+        self.request_id = request_id
+        self.all_token_ids = list(prompt)
+        self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []
+        self.hasher = hasher
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_token_id(self, token_id: int) -> None:
+        toks = self.all_token_ids
+        toks.append(token_id)
+        # Only a token that completes a block can produce a hash: skip the call otherwise.
+        if len(toks) % self.hasher.block_size == 0:
+            self.hasher.extend(self.block_hashes, toks, None)
 
 
 def sample_lengths(rng: np.random.Generator, mu: float, sigma: float, lo: int, hi: int) -> int:
@@ -108,7 +134,7 @@ def replay(
     bs = trace["block_size"]
     mgr = KVCacheManager(None, num_blocks, bs, max_model_len, enable_caching=True, policy=policy)  # type: ignore[arg-type]
     hasher = BlockHasher(mgr.block_size)
-    reqs: dict[str, SimpleRequest] = {}
+    reqs: dict[str, TraceRequest] = {}
     step_ns: list[int] = []
     util: list[float] = []
     peak_used = 0
@@ -122,11 +148,7 @@ def replay(
             resolved = []
             for op in ops:
                 if op[0] == "admit":
-                    # Creating the request hashes its prompt blocks: timed below instead.
-                    r = SimpleRequest.__new__(SimpleRequest)
-                    r.request_id, r.all_token_ids, r.num_computed_tokens = op[1], list(op[2]), 0
-                    r.block_hashes, r.cache_salt, r._hasher = [], None, hasher
-                    reqs[op[1]] = r
+                    r = reqs[op[1]] = TraceRequest(op[1], op[2], hasher)
                     resolved.append((0, r, op[3]))
                 elif op[0] == "decode":
                     resolved.append((1, reqs[op[1]], op[2]))

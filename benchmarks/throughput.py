@@ -3,8 +3,7 @@
 Workloads:
   uniform   the nano-vllm / mini-sglang one: 256 requests, random prompt token ids, input and
             output lengths uniform in [100, 1024], ignore_eos.
-  sharegpt  ShareGPT-like log-normal lengths (peers-and-benchmarks §4.4), clipped to the
-            model length, ignore_eos.
+  sharegpt  ShareGPT-like log-normal lengths, clipped to the model length, ignore_eos.
 
 Also prints the controller's share of each step (scheduling + bookkeeping against the worker's
 forward pass), from the engine's own counters.

@@ -17,7 +17,13 @@ from pagedserve.kernels._checks import TRITON_FLOAT_DTYPES
 from pagedserve.kernels.attention import paged_attention as triton_paged_attention
 from pagedserve.kernels.cache import reshape_and_cache as triton_reshape_and_cache
 from pagedserve.kernels.copy import copy_blocks as triton_copy_blocks
-from pagedserve.kernels.cp_layout import cp_global_position, cp_local_seq_len, cp_owner_and_offset
+from pagedserve.kernels.cp_layout import (
+    NO_CP,
+    CPLayout,
+    cp_global_position,
+    cp_local_seq_len,
+    cp_owner_and_offset,
+)
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
 from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
 from pagedserve.kernels.reference import (
@@ -55,17 +61,15 @@ def paged_attention(
     softmax_scale: float,
     *,
     sliding_window: int | None = None,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    cp_interleave: int = 1,
+    cp: CPLayout = NO_CP,
     return_lse: bool = False,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor | None:
     """Varlen causal paged attention; see ``paged_attention_ref``."""
     impl = triton_paged_attention if _use_triton(q, q.shape[-1]) else paged_attention_ref
     return impl(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-                sliding_window=sliding_window, cp_rank=cp_rank, cp_size=cp_size,
-                cp_interleave=cp_interleave, return_lse=return_lse, num_kv_splits=num_kv_splits)
+                sliding_window=sliding_window, cp=cp, return_lse=return_lse,
+                num_kv_splits=num_kv_splits)
 
 
 def merge_attn_states(
@@ -87,8 +91,10 @@ def copy_blocks(
 
 
 __all__ = [
+    "CPLayout",
     "KernelArgumentError",
     "KernelDtypeError",
+    "NO_CP",
     "copy_blocks",
     "copy_blocks_ref",
     "cp_global_position",

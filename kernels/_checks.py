@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedserve.kernels.cp_layout import CPLayout
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -111,9 +112,7 @@ def check_paged_attention(
     block_table: torch.Tensor,
     softmax_scale: float,
     sliding_window: int | None,
-    cp_rank: int,
-    cp_size: int,
-    cp_interleave: int,
+    cp: CPLayout,
     allowed: Sequence[torch.dtype] = FLOAT_DTYPES,
 ) -> tuple[int, ...]:
     """Returns (num_blocks, block_size, num_kv_heads, head_dim, num_q_heads, num_seqs)."""
@@ -161,13 +160,9 @@ def check_paged_attention(
         raise KernelArgumentError(
             f"sliding_window must be None or an int >= 1, got {sliding_window}"
         )
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+    if bs % cp.interleave != 0:
         raise KernelArgumentError(
-            f"need 0 <= cp_rank < cp_size, got rank {cp_rank}, size {cp_size}"
-        )
-    if cp_interleave < 1 or bs % cp_interleave != 0:
-        raise KernelArgumentError(
-            f"cp_interleave ({cp_interleave}) must be >= 1 and divide block_size ({bs})"
+            f"cp_interleave ({cp.interleave}) must divide block_size ({bs})"
         )
     return nb, bs, hkv, d, hq, ns
 

@@ -26,6 +26,7 @@ from pagedserve.kernels._checks import (
     check_paged_attention,
     check_triton_head_dim,
 )
+from pagedserve.kernels.cp_layout import NO_CP, CPLayout
 from pagedserve.kernels.errors import KernelArgumentError
 from pagedserve.kernels.merge import merge_into
 
@@ -200,16 +201,14 @@ def paged_attention(
     softmax_scale: float,
     *,
     sliding_window: int | None = None,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    cp_interleave: int = 1,
+    cp: CPLayout = NO_CP,
     return_lse: bool = False,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor | None:
     """Triton twin of :func:`pagedserve.kernels.reference.paged_attention_ref`."""
     _, bs, h_kv, d, h_q, num_seqs = check_paged_attention(
         q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window,
-        cp_rank, cp_size, cp_interleave, TRITON_FLOAT_DTYPES)
+        cp, TRITON_FLOAT_DTYPES)
     check_triton_head_dim(d)
     if num_kv_splits is not None and num_kv_splits < 1:
         raise KernelArgumentError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
@@ -243,7 +242,7 @@ def paged_attention(
     _paged_attention_kernel[(q_tiles, h_kv, splits)](
         q, kv_cache, dst_out, dst_lse, cu_seqlens_q, seq_lens, block_table,
         num_seqs, float(softmax_scale) * _LOG2E, int(sliding_window or 0),
-        cp_rank, cp_size, cp_interleave,
+        cp.rank, cp.size, cp.interleave,
         q.stride(0), q.stride(1),
         dst_out.stride(0) if splits > 1 else 0, dst_out.stride(-3), dst_out.stride(-2),
         dst_lse.stride(0), dst_lse.stride(1), dst_lse.stride(2),

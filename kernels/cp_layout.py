@@ -5,14 +5,41 @@ covers a *virtual* block of ``V = B * W`` global positions. Inside it, runs of `
 tokens go round-robin to the ranks; each rank packs its runs densely into its own physical copy
 of the block. ``I = 1`` deals tokens one by one, ``I = B`` fills rank 0's block first.
 
-Every function works on Python ints and elementwise on integer torch tensors, so the reference
-kernel, the tests and the workers' slot mapping share one formula. Only ``//``, ``%``, ``*``,
-``+`` and ``clip`` are used (numpy arrays therefore work too).
+:class:`CPLayout` names one rank's place in that layout. Every function works on Python ints
+and elementwise on integer torch tensors, so the reference kernel, the tests and the workers'
+slot mapping share one formula. Only ``//``, ``%``, ``*``, ``+`` and ``clip`` are used (numpy
+arrays therefore work too).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from pagedserve.kernels.errors import KernelArgumentError
+
+
+@dataclass(frozen=True, slots=True)
+class CPLayout:
+    """Rank ``rank`` of ``size`` decode-context-parallel ranks, tokens dealt out in runs of
+    ``interleave``. The default, one rank, is no context parallelism. Whether ``interleave``
+    divides the block size is checked where the block size is known."""
+
+    rank: int = 0
+    size: int = 1
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise KernelArgumentError(
+                f"need 0 <= cp_rank < cp_size, got rank {self.rank}, size {self.size}"
+            )
+        if self.interleave < 1:
+            raise KernelArgumentError(f"cp_interleave must be >= 1, got {self.interleave}")
+
+
+NO_CP = CPLayout()
+"""One rank: no context parallelism (the default everywhere a layout is taken)."""
 
 
 def _check(block_size: int, cp_size: int, interleave: int) -> None:

@@ -22,7 +22,7 @@ from pagedserve.kernels._checks import (
     check_paged_attention,
     check_reshape_and_cache,
 )
-from pagedserve.kernels.cp_layout import cp_global_position, cp_local_seq_len
+from pagedserve.kernels.cp_layout import NO_CP, CPLayout, cp_global_position, cp_local_seq_len
 from pagedserve.kernels.errors import KernelArgumentError
 
 # Upper bound on elements of one score matrix [S, H_q, Q, N] built by the attention reference.
@@ -90,10 +90,10 @@ def _run_items(
     block_table: torch.Tensor,
     scale: float,
     window: int | None,
-    cp: tuple[int, int, int],
+    cp: CPLayout,
     cdtype: torch.dtype,
 ) -> None:
-    rank, size, inter = cp
+    rank, size, inter = cp.rank, cp.size, cp.interleave
     dev = q.device
     bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     max_blocks = block_table.shape[1]
@@ -156,9 +156,7 @@ def paged_attention_ref(
     softmax_scale: float,
     *,
     sliding_window: int | None = None,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    cp_interleave: int = 1,
+    cp: CPLayout = NO_CP,
     return_lse: bool = False,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor | None:
@@ -166,7 +164,7 @@ def paged_attention_ref(
 
     Query ``i`` of a sequence with ``L`` tokens, ``q_len`` of them new, sits at global position
     ``L - q_len + i`` and sees keys at positions ``p <= pos`` (and ``p > pos - sliding_window``).
-    With ``cp_size > 1`` only this rank's interleaved shard of the keys is attended (see
+    With ``cp.size > 1`` only this rank's interleaved shard of the keys is attended (see
     ``cp_layout``). Rows of ``out`` past ``cu_seqlens_q[-1]`` (padding) are left unspecified,
     their LSE is -inf. ``num_kv_splits`` is a tuning hint for the Triton path (``None`` lets it
     choose; the split-KV path merges partial results with the LSE rule) and is ignored here.
@@ -177,13 +175,13 @@ def paged_attention_ref(
     """
     del num_kv_splits
     check_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-                          sliding_window, cp_rank, cp_size, cp_interleave)
+                          sliding_window, cp)
     hq, d = q.shape[1], q.shape[2]
     cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse_out = torch.full((q.shape[0], hq), -math.inf, dtype=torch.float32, device=q.device)
     # Without CP every query sees its own key, so the fused SDPA path is safe when no LSE is
     # asked for; with CP a rank may hold no visible key for a query (empty row).
-    need_lse = return_lse or cp_size > 1
+    need_lse = return_lse or cp.size > 1
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     lens = [int(x) for x in seq_lens.tolist()]
     for s in range(len(lens)):
@@ -191,7 +189,6 @@ def paged_attention_ref(
             raise KernelArgumentError(
                 f"sequence {s} has {cu[s + 1] - cu[s]} new tokens but length {lens[s]}"
             )
-    cp = (cp_rank, cp_size, cp_interleave)
     args = (q, kv_cache, out, lse_out if need_lse else None, cu, lens, block_table,
             float(softmax_scale), sliding_window, cp, cdtype)
     # Decodes (and other short query runs) are padded into batches of similar key counts (the
@@ -202,9 +199,9 @@ def paged_attention_ref(
         if q_len == 0:
             continue
         if q_len <= _SMALL_Q:
-            small.append((min(length, (sliding_window or length) + q_len) // cp_size + 1, s))
+            small.append((min(length, (sliding_window or length) + q_len) // cp.size + 1, s))
             continue
-        chunk = max(1, _SCORE_BUDGET // max(1, hq * (length // cp_size + 1)))
+        chunk = max(1, _SCORE_BUDGET // max(1, hq * (length // cp.size + 1)))
         for first in range(0, q_len, chunk):
             _run_items([(s, first, min(chunk, q_len - first))], *args)
     small.sort(reverse=True)

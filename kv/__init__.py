@@ -1,7 +1,7 @@
 """Controller-side paged KV block management: pure Python + numpy (no torch, no ray).
 
-See DESIGN.md §3. The scheduler talks to :class:`KVCacheManager`; requests keep their block
-hashes current with :class:`BlockHasher`.
+The scheduler talks to :class:`KVCacheManager`; requests keep their block hashes current with
+:class:`BlockHasher`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pagedserve.kv.errors import (
 from pagedserve.kv.hashing import ROOT_HASH, BlockHasher, hash_block, hash_block_tokens
 from pagedserve.kv.kv_blocks import KVCacheBlocks, PrefixCacheStats
 from pagedserve.kv.manager import AllocationPolicy, KVCacheManager
-from pagedserve.kv.simple_request import SimpleRequest
 from pagedserve.kv.single_type import (
     FullAttentionManager,
     SingleTypeManager,
@@ -54,7 +53,6 @@ __all__ = [
     "KVRequest",
     "PrefixCacheStats",
     "RequestTooLargeError",
-    "SimpleRequest",
     "SingleTypeManager",
     "SlidingWindowManager",
     "SlidingWindowSpec",

@@ -1,15 +1,16 @@
-"""The general ``allocate_slots`` path: new requests, prefix hits, several groups, the
-reserve policy, sliding windows and copy-on-write. (The per-step decode fast path stays in
-``manager.py``.) A friend module of :class:`KVCacheManager`: it reads and writes its state.
+"""Planning for the general ``allocate_slots`` path: new requests, prefix hits, several groups,
+the reserve policy, sliding windows and copy-on-write. (The per-step decode fast path stays in
+``manager.py``.)
 
-Transactional: everything this call would consume is counted first, read-only; only if it fits
-is anything changed. Consumption = new blocks + free cached hit blocks that touching takes out
-of the free queue + private copies for shared blocks being written; released out-of-window
-blocks are credited.
+Transactional: :func:`plan_allocation` only reads the manager, through its public accessors,
+and counts everything the call would consume; the manager applies the plan only if it fits.
+Consumption = new blocks + free cached hit blocks that touching takes out of the free queue +
+private copies for shared blocks being written; released out-of-window blocks are credited.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedserve.kv.base import KVRequest
@@ -20,35 +21,48 @@ from pagedserve.kv.kv_blocks import KVCacheBlocks
 if TYPE_CHECKING:
     from pagedserve.kv.manager import KVCacheManager
 
-__all__ = ["allocate_general"]
+__all__ = ["AllocationPlan", "plan_allocation"]
 
 
-def allocate_general(
+@dataclass(frozen=True, slots=True)
+class AllocationPlan:
+    """What one ``allocate_slots`` call does, per KV group, once it is known to fit."""
+
+    is_new: bool  # the request holds no blocks yet
+    hits: tuple[list[KVBlock], ...]  # validated prefix-hit blocks (empty unless is_new)
+    copies: tuple[list[int], ...]  # indices of shared blocks to copy before writing
+    num_blocks: int  # blocks each group holds afterwards
+    end: int  # tokens written once the step runs
+
+
+def plan_allocation(
     mgr: KVCacheManager,
     request: KVRequest,
-    computed: int,
-    end: int,
+    num_new_tokens: int,
     num_new_computed_tokens: int,
     new_computed_blocks: KVCacheBlocks | None,
-    lookahead: int,
-) -> KVCacheBlocks | None:
+) -> AllocationPlan | None:
+    """The plan for ``KVCacheManager.allocate_slots`` (same arguments), or None if it does not
+    fit. Raises InvalidArgumentError for bad arguments. Changes nothing."""
+    if num_new_tokens <= 0 or num_new_computed_tokens < 0:
+        raise InvalidArgumentError(
+            f"need num_new_tokens > 0 and num_new_computed_tokens >= 0, got "
+            f"{num_new_tokens}, {num_new_computed_tokens}"
+        )
+    computed = request.num_computed_tokens + num_new_computed_tokens
+    end = computed + num_new_tokens
+    if end > mgr.max_model_len:
+        raise InvalidArgumentError(f"{end} tokens exceed max_model_len={mgr.max_model_len}")
     rid = request.request_id
     bs = mgr.block_size
-    managers = mgr.managers
-    existing = [m.req_to_blocks.get(rid) for m in managers]
+    existing = [m.req_to_blocks.get(rid) for m in mgr.managers]
     is_new = existing[0] is None
     hits = _validate_hits(mgr, request, is_new, num_new_computed_tokens, new_computed_blocks)
-    need_slot = min(end + lookahead, mgr.max_model_len)
-    if mgr.policy == "reserve":
-        need_slot = mgr.max_model_len
-    target = -(-need_slot // bs)
-    prev_computed = request.num_computed_tokens
-
-    # Plan (read-only): count what this call would consume and release.
+    target = -(-(mgr.max_model_len if mgr.policy == "reserve" else end) // bs)
     needed = 0
     credit = 0
-    cow_plan: list[list[int]] = []
-    for m, blocks, hit in zip(managers, existing, hits, strict=True):
+    copies: list[list[int]] = []
+    for m, blocks, hit in zip(mgr.managers, existing, hits, strict=True):
         have = len(blocks) if blocks is not None else 0
         needed += max(0, target - have - len(hit))
         needed += sum(1 for b in hit if b.ref_cnt == 0 and not b.is_null)
@@ -58,44 +72,12 @@ def allocate_general(
                 b = blocks[i]
                 if b.ref_cnt > 1 and not b.is_null:
                     cow.append(i)
-            credit += m.num_freeable_skipped_blocks(rid, prev_computed)
+            credit += m.num_freeable_skipped_blocks(rid, request.num_computed_tokens)
         needed += len(cow)
-        cow_plan.append(cow)
-    pool = mgr.pool
-    if needed > pool.num_free_blocks + credit:
+        copies.append(cow)
+    if needed > mgr.num_free_blocks + credit:
         return None
-
-    # Commit. Release out-of-window blocks, then take references on hits before any new
-    # block is popped, so get_new_blocks can never evict a block we are about to re-use.
-    if not is_new:
-        for m in managers:
-            m.remove_skipped_blocks(rid, prev_computed)
-    if mgr.enable_caching:
-        for hit in hits:
-            pool.touch(hit)
-    if is_new:
-        mgr._freed_ids.pop(rid, None)
-        for m, hit in zip(managers, hits, strict=True):
-            m.req_to_blocks[rid] = list(hit)
-            m.num_cached_blocks[rid] = len(hit)
-    new_per_group: list[list[KVBlock]] = []
-    for gid, (m, cow) in enumerate(zip(managers, cow_plan, strict=True)):
-        blocks = m.req_to_blocks[rid]
-        for i in cow:
-            src = blocks[i]
-            dst = pool.get_new_blocks(1)[0]
-            src.ref_cnt -= 1  # still >= 1: the other sharers keep it
-            blocks[i] = dst
-            mgr._pending_copies.append((src.block_id, dst.block_id))
-            mgr._replacements.append((rid, gid, i, dst.block_id))
-        n = target - len(blocks)
-        new = pool.get_new_blocks(n) if n > 0 else []
-        blocks.extend(new)
-        new_per_group.append(new)
-        if mgr.enable_caching:
-            m.cache_blocks(rid, request.block_hashes, min(end, request.num_tokens))
-    mgr._num_filled[rid] = end
-    return KVCacheBlocks(tuple(new_per_group))
+    return AllocationPlan(is_new, hits, tuple(copies), target, end)
 
 
 def _validate_hits(
@@ -108,12 +90,12 @@ def _validate_hits(
     if hit_blocks is None or not hit_blocks:
         if num_new_computed_tokens:
             raise InvalidArgumentError("num_new_computed_tokens > 0 without hit blocks")
-        return mgr._empty.blocks
+        return tuple([] for _ in mgr.managers)
     if not is_new:
         raise InvalidArgumentError("prefix-hit blocks are only accepted for a new request")
     if not mgr.enable_caching:
         raise InvalidArgumentError("prefix-hit blocks given but prefix caching is disabled")
-    if len(hit_blocks.blocks) != len(mgr.managers):
+    if len(hit_blocks.blocks) != mgr.num_groups:
         raise InvalidArgumentError("hit blocks must have one list per KV group")
     hashes = request.block_hashes
     for gid, hit in enumerate(hit_blocks.blocks):

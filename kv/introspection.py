@@ -1,4 +1,5 @@
-"""Read-only views of a KVCacheManager: integrity checking and block-fill snapshots."""
+"""Read-only views of a KVCacheManager, through its public accessors: integrity checking and
+block-fill snapshots."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def block_fill_snapshot(mgr: KVCacheManager) -> np.ndarray:
     ids: list[int] = []
     last_ids: list[int] = []
     last_fill: list[int] = []
-    filled = mgr._num_filled
+    filled = mgr.num_filled_tokens
     for m in mgr.managers:
         for rid, blocks in m.req_to_blocks.items():
             if not blocks:
@@ -51,6 +52,7 @@ def check_manager_integrity(mgr: KVCacheManager) -> None:
     refs = [0] * pool.num_blocks
     rids = set(mgr.managers[0].req_to_blocks)
     bs = mgr.block_size
+    filled_tokens = mgr.num_filled_tokens
     for gid, m in enumerate(mgr.managers):
         if set(m.req_to_blocks) != rids or set(m.num_cached_blocks) != rids:
             raise AssertionError(f"group {gid}: request ids differ between groups")
@@ -70,11 +72,11 @@ def check_manager_integrity(mgr: KVCacheManager) -> None:
                     raise AssertionError(f"{rid}: holds free block {b!r}")
                 if mgr.enable_caching and i < num_cached and b.block_hash is None:
                     raise AssertionError(f"{rid}: block {i} counted cached but has no hash")
-            filled = mgr._num_filled.get(rid)
+            filled = filled_tokens.get(rid)
             if filled is None or filled > len(blocks) * bs:
                 raise AssertionError(f"{rid}: fill {filled} exceeds {len(blocks)} blocks")
     for b in pool.blocks[1:]:
         if b.ref_cnt != refs[b.block_id]:
             raise AssertionError(f"{b!r}: ref_cnt != {refs[b.block_id]} holders")
-    if set(mgr._num_filled) != rids:
+    if set(filled_tokens) != rids:
         raise AssertionError("fill bookkeeping out of sync with held requests")

@@ -21,9 +21,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
 
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks, strict=True)))
-
     def num_blocks(self) -> int:
         """Blocks in the first group (all groups have equally long lists)."""
         return len(self.blocks[0]) if self.blocks else 0

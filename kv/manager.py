@@ -12,13 +12,15 @@ Call order the scheduler follows (one request, one step):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Literal
 
 import numpy as np
 
-from pagedserve.kv.allocation import allocate_general
+from pagedserve.kv.allocation import AllocationPlan, plan_allocation
 from pagedserve.kv.base import KVRequest
+from pagedserve.kv.block import KVBlock
 from pagedserve.kv.block_pool import BlockPool
 from pagedserve.kv.coordinator import find_common_hit
 from pagedserve.kv.errors import (
@@ -131,6 +133,11 @@ class KVCacheManager:
         """Fraction of usable blocks in use (null block excluded; free cached blocks are free)."""
         return self.pool.usage
 
+    @property
+    def num_filled_tokens(self) -> Mapping[str, int]:
+        """Read-only: tokens each held request will have written once the current step runs."""
+        return MappingProxyType(self._num_filled)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.managers[0].req_to_blocks
 
@@ -228,18 +235,16 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
-        """Make room for ``num_new_tokens`` more tokens (plus lookahead draft slots).
+        """Make room for ``num_new_tokens`` more tokens.
 
         ``num_new_computed_tokens``/``new_computed_blocks`` are the prefix hit of a new request
         from :meth:`get_computed_blocks`. Returns the newly allocated blocks per group, or
         ``None`` with **no state changed** if they do not fit. Touching a free cached hit block
         takes it out of the free queue, so it counts against the free blocks like a new one.
         Full blocks among the first ``min(computed + new, num_tokens)`` tokens are registered
-        in the prefix cache (draft/lookahead slots never are). A write into a block shared by
-        :meth:`fork` first gives the writer a private copy (see :meth:`take_pending_copies`).
-        Lookahead slots are capped at ``max_model_len``.
+        in the prefix cache. A write into a block shared by :meth:`fork` first gives the
+        writer a private copy (see :meth:`take_pending_copies`).
 
         Raises:
             InvalidArgumentError: ``num_new_tokens <= 0``, a negative count, tokens beyond
@@ -251,7 +256,6 @@ class KVCacheManager:
             and new_computed_blocks is None
             and num_new_computed_tokens == 0
             and num_new_tokens > 0
-            and num_lookahead_tokens >= 0
         ):
             # Hot path (every running request, every step), inlined because it runs ~256 times
             # per step: one full-attention group, paged policy, a request already holding
@@ -271,12 +275,8 @@ class KVCacheManager:
                     stop = n_have
                 while i < stop and blocks[i].ref_cnt == 1:
                     i += 1
-                max_len = self.max_model_len
-                if i >= stop and end <= max_len:
-                    need_slot = end + num_lookahead_tokens
-                    if need_slot > max_len:
-                        need_slot = max_len
-                    n_new = -(-need_slot // bs) - n_have
+                if i >= stop and end <= self.max_model_len:
+                    n_new = -(-end // bs) - n_have
                     result = self._empty
                     if n_new > 0:
                         pool = self.pool
@@ -298,24 +298,34 @@ class KVCacheManager:
                                 )
                     self._num_filled[rid] = end
                     return result
-        if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
-            raise InvalidArgumentError(
-                f"need num_new_tokens > 0 and non-negative counts, got {num_new_tokens}, "
-                f"{num_new_computed_tokens}, {num_lookahead_tokens}"
-            )
-        computed = request.num_computed_tokens + num_new_computed_tokens
-        end = computed + num_new_tokens
-        if end > self.max_model_len:
-            raise InvalidArgumentError(f"{end} tokens exceed max_model_len={self.max_model_len}")
-        return allocate_general(
-            self,
-            request,
-            computed,
-            end,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
+        plan = plan_allocation(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks
         )
+        return None if plan is None else self._apply(request, plan)
+
+    def _apply(self, request: KVRequest, plan: AllocationPlan) -> KVCacheBlocks:
+        """Carry out a plan that fits. Out-of-window blocks are released and hit blocks
+        referenced before any new block is popped, so popping never evicts a block about to
+        be re-used."""
+        rid = request.request_id
+        if plan.is_new:
+            self._freed_ids.pop(rid, None)
+            for m, hit in zip(self.managers, plan.hits, strict=True):
+                self.pool.touch(hit)
+                m.add_request(rid, hit)
+        else:
+            for m in self.managers:
+                m.remove_skipped_blocks(rid, request.num_computed_tokens)
+        new_per_group: list[list[KVBlock]] = []
+        for m, copies in zip(self.managers, plan.copies, strict=True):
+            for i, src, dst in m.copy_shared_blocks(rid, copies):
+                self._pending_copies.append((src, dst))
+                self._replacements.append((rid, m.group_id, i, dst))
+            new_per_group.append(m.grow(rid, plan.num_blocks))
+            if self.enable_caching:
+                m.cache_blocks(rid, request.block_hashes, min(plan.end, request.num_tokens))
+        self._num_filled[rid] = plan.end
+        return KVCacheBlocks(tuple(new_per_group))
 
     # ------------------------------------------------------------ release etc.
     def free(self, request: KVRequest | str) -> None:
@@ -350,12 +360,7 @@ class KVCacheManager:
         if cid in self.managers[0].req_to_blocks:
             raise InvalidArgumentError(f"fork target {cid!r} already holds blocks")
         for m in self.managers:
-            blocks = list(m.req_to_blocks[pid])
-            for b in blocks:
-                if not b.is_null:
-                    b.ref_cnt += 1
-            m.req_to_blocks[cid] = blocks
-            m.num_cached_blocks[cid] = m.num_cached_blocks[pid]
+            m.fork(pid, cid)
         self._num_filled[cid] = self._num_filled[pid]
         self._freed_ids.pop(cid, None)
 

@@ -47,6 +47,45 @@ class SingleTypeManager:
         return None
 
     # ---- bookkeeping
+    def add_request(self, request_id: str, hit: Sequence[KVBlock]) -> None:
+        """Start the request's list with its prefix-hit blocks (already referenced)."""
+        self.req_to_blocks[request_id] = list(hit)
+        self.num_cached_blocks[request_id] = len(hit)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Let the child share every block of the parent (one more reference each)."""
+        blocks = list(self.req_to_blocks[parent_id])
+        for b in blocks:
+            if not b.is_null:
+                b.ref_cnt += 1
+        self.req_to_blocks[child_id] = blocks
+        self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
+
+    def copy_shared_blocks(
+        self, request_id: str, indices: Sequence[int]
+    ) -> list[tuple[int, int, int]]:
+        """Give the request a private new block at each index of a shared one (copy-on-write).
+
+        Returns ``(index, src_block_id, dst_block_id)`` per copy; the caller has counted them.
+        """
+        blocks = self.req_to_blocks[request_id]
+        out = []
+        for i in indices:
+            src = blocks[i]
+            dst = self.pool.get_new_blocks(1)[0]
+            src.ref_cnt -= 1  # still >= 1: the other sharers keep it
+            blocks[i] = dst
+            out.append((i, src.block_id, dst.block_id))
+        return out
+
+    def grow(self, request_id: str, num_blocks: int) -> list[KVBlock]:
+        """Append new blocks until the request holds ``num_blocks``; returns the new ones."""
+        blocks = self.req_to_blocks[request_id]
+        n = num_blocks - len(blocks)
+        new = self.pool.get_new_blocks(n) if n > 0 else []
+        blocks.extend(new)
+        return new
+
     def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
         """Register the request's blocks that are full within its first ``num_tokens`` tokens."""
         num_full = min(num_tokens // self.block_size, len(block_hashes))

@@ -3,11 +3,9 @@
 One ``BlockTable`` per KV-cache group. Rows are edited on a host numpy buffer as the scheduler's
 deltas arrive and committed to the device once per step.
 
-Block sizes: the kv tensor's block dim is the *kernel* block size ``B_k``; the controller's
-manager blocks hold ``B = k * B_k`` tokens per rank and, with decode context parallelism of
-``W`` ranks, ``V = B * W`` tokens of the sequence (the virtual block). A manager block id ``b``
-is stored as the kernel ids ``b*k .. b*k + k-1`` so the attention kernel sees a table in
-``B_k`` units, and both views address the same memory: ``(b*k + j)*B_k + o == b*B + j*B_k + o``.
+Block sizes: a block holds ``B`` tokens per rank (the kv tensor's block dim); with decode context
+parallelism of ``W`` ranks the controller's block id covers ``V = B * W`` tokens of the sequence
+(the virtual block), and every rank stores its share of them in its own copy of that block.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pagedserve.kernels import NO_CP, CPLayout, cp_owner_and_offset
 from pagedserve.workers.buffers import HostDeviceBuffer
 
 
@@ -28,42 +27,25 @@ class BlockTable:
         block_size: int,
         device: torch.device,
         *,
-        kernel_block_size: int | None = None,
-        cp_size: int = 1,
-        cp_rank: int = 0,
-        cp_interleave: int = 1,
+        cp: CPLayout = NO_CP,
     ) -> None:
-        """``max_num_blocks_per_req`` and ``block_size`` are in manager blocks (per rank)."""
-        kbs = kernel_block_size or block_size
-        if block_size % kbs or block_size % cp_interleave or not 0 <= cp_rank < cp_size:
-            raise ValueError(
-                f"bad block table geometry: block_size={block_size}, kernel={kbs}, "
-                f"cp={cp_rank}/{cp_size}, interleave={cp_interleave}"
-            )
+        """``block_size`` is the per-rank block size ``B``."""
+        if block_size % cp.interleave:
+            raise ValueError(f"cp interleave {cp.interleave} does not divide block {block_size}")
         self.block_size = block_size
-        self.kernel_block_size = kbs
-        self.blocks_per_manager_block = block_size // kbs
-        self.cp_size = cp_size
-        self.cp_rank = cp_rank
-        self.cp_interleave = cp_interleave
-        width = max_num_blocks_per_req * self.blocks_per_manager_block
-        self.table = HostDeviceBuffer(max_num_reqs, width, dtype=torch.int32, device=device)
-        self.np = self.table.np  # [max_reqs, width] kernel block ids
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)  # used kernel columns per row
-
-    def _to_kernel_ids(self, block_ids: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(block_ids, dtype=np.int32)
-        k = self.blocks_per_manager_block
-        if k == 1:
-            return ids
-        return (ids[:, None] * k + np.arange(k, dtype=np.int32)).reshape(-1)
+        self.cp = cp
+        self.table = HostDeviceBuffer(
+            max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device
+        )
+        self.np = self.table.np  # [max_reqs, max_blocks] block ids
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)  # used columns per row
 
     # Row operations (host side only; commit() publishes them) -------------------------------
 
     def append_row(self, block_ids: Sequence[int], row: int) -> None:
         if len(block_ids) == 0:
             return
-        ids = self._to_kernel_ids(block_ids)
+        ids = np.asarray(block_ids, dtype=np.int32)
         start = self.num_blocks[row]
         if start + len(ids) > self.np.shape[1]:
             raise ValueError(
@@ -86,10 +68,6 @@ class BlockTable:
         self.np[dst, n : self.num_blocks[dst]] = 0
         self.num_blocks[dst] = n
 
-    def swap_row(self, a: int, b: int) -> None:
-        self.np[[a, b]] = self.np[[b, a]]
-        self.num_blocks[[a, b]] = self.num_blocks[[b, a]]
-
     def clear(self) -> None:
         self.np[:] = 0
         self.num_blocks[:] = 0
@@ -103,16 +81,10 @@ class BlockTable:
         """
         req_indices = np.asarray(req_indices, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
-        w, inter, b = self.cp_size, self.cp_interleave, self.block_size
-        virtual = b * w
-        off = positions % virtual
-        owner = (off // inter) % w
-        local = (off // (w * inter)) * inter + off % inter
-        col = (positions // virtual) * self.blocks_per_manager_block
-        first_kernel_id = self.np[req_indices, col].astype(np.int64)
-        # first_kernel_id = manager_id * k, so first_kernel_id * B_k = manager_id * B.
-        slots = first_kernel_id * self.kernel_block_size + local
-        return np.where(owner == self.cp_rank, slots, -1)
+        b, cp = self.block_size, self.cp
+        owner, local = cp_owner_and_offset(positions, b, cp.size, cp.interleave)
+        slots = self.np[req_indices, positions // (b * cp.size)].astype(np.int64) * b + local
+        return np.where(owner == cp.rank, slots, -1)
 
     def commit(self, num_reqs: int) -> torch.Tensor:
         """Publish the first ``num_reqs`` rows; returns the device table ``[num_reqs, width]``."""
@@ -146,7 +118,3 @@ class MultiGroupBlockTable:
     def move_row(self, src: int, dst: int) -> None:
         for table in self.tables:
             table.move_row(src, dst)
-
-    def swap_row(self, a: int, b: int) -> None:
-        for table in self.tables:
-            table.swap_row(a, b)

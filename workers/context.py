@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels import NO_CP, CPLayout
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -27,9 +29,7 @@ class AttentionMetadata:
 class ForwardContext:
     groups: list[AttentionMetadata]
     """One entry per KV-cache group; a layer reads ``groups[layer.kv_group]``."""
-    cp_rank: int = 0
-    cp_size: int = 1
-    cp_interleave: int = 1
+    cp: CPLayout = NO_CP
 
 
 _CONTEXT: ForwardContext | None = None

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedserve.kernels import copy_blocks
+from pagedserve.kernels import NO_CP, CPLayout, copy_blocks
 from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
 from pagedserve.workers.input_batch import InputBatch
@@ -31,7 +31,7 @@ class ModelRunner:
         kv_pool: KVPool,
         sampler: Sampler,
         device: torch.device,
-        cp: tuple[int, int, int] = (0, 1, 1),
+        cp: CPLayout = NO_CP,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.eos_token_ids = eos_token_ids
@@ -40,7 +40,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.sampler = sampler
         self.device = device
-        self.cp_rank, self.cp_size, self.cp_interleave = cp
+        self.cp = cp
 
     # 1. state ---------------------------------------------------------------------------------
 
@@ -106,7 +106,7 @@ class ModelRunner:
                     cu_seqlens_q=cu_dev,
                 )
             )
-        ctx = ForwardContext(groups, self.cp_rank, self.cp_size, self.cp_interleave)
+        ctx = ForwardContext(groups, self.cp)
         with forward_context(ctx):
             hidden = self.model(to_dev(input_ids), to_dev(positions))  # [T, hidden]
         batch.num_computed_tokens[rows_np] = seq_lens

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import EngineConfig
+from pagedserve.kernels import CPLayout
 from pagedserve.messages import (
     KVCacheLayout,
     LayerKVSpec,
@@ -211,25 +212,16 @@ class Worker:
         accepted when it equals ``cache.block_size * W``.
         """
         assert self.model is not None and self.arch is not None, "load_model() first"
-        cp_size, cp_rank = self.dcp.size, self.dcp.rank
-        if cp_size > 1 and layout.block_size == self.config.cache.block_size * cp_size:
+        cp = CPLayout(self.dcp.rank, self.dcp.size, self.config.parallel.dcp_interleave)
+        if cp.size > 1 and layout.block_size == self.config.cache.block_size * cp.size:
             layout = dataclasses.replace(layout, block_size=self.config.cache.block_size)
         layers = self._attention_layers()
         pool = KVPool(layout, layers, self.dtype, self.device)
-        par = self.config.parallel
-        width = math.ceil(self.max_model_len / (layout.block_size * cp_size))
+        width = math.ceil(self.max_model_len / (layout.block_size * cp.size))
         max_reqs = self.config.scheduler.max_num_seqs
         tables = MultiGroupBlockTable(
             [
-                BlockTable(
-                    max_reqs,
-                    width,
-                    layout.block_size,
-                    self.device,
-                    cp_size=cp_size,
-                    cp_rank=cp_rank,
-                    cp_interleave=par.dcp_interleave,
-                )
+                BlockTable(max_reqs, width, layout.block_size, self.device, cp=cp)
                 for _ in layout.groups
             ]
         )
@@ -241,7 +233,7 @@ class Worker:
             pool,
             sampler,
             self.device,
-            (cp_rank, cp_size, par.dcp_interleave),
+            cp,
             self.eos_token_ids,
         )
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import (
+    CPLayout,
     KernelArgumentError,
     KernelDtypeError,
     merge_attn_states,
@@ -133,8 +134,8 @@ def _cp_check(kh, attn, merge, block_size, group, cp_size, interleave, window=No
                             cp_interleave=interleave, seed=seed)
     outs, lses = [], []
     for rank in range(cp_size):
-        out, lse = _run(attn, sharded, sharded.caches[rank], cp_rank=rank, cp_size=cp_size,
-                        cp_interleave=interleave, sliding_window=window, **kw)
+        out, lse = _run(attn, sharded, sharded.caches[rank], cp=CPLayout(rank, cp_size, interleave),
+                        sliding_window=window, **kw)
         # A query whose rank holds no visible key: lse -inf and output exactly 0.
         empty = torch.isinf(lse)
         assert (lse[empty] == -math.inf).all()
@@ -182,7 +183,7 @@ def test_rejects_bad_arguments(kh, fn) -> None:
     def call(**over):
         args = dict(q=q, kv_cache=cache, out=out, cu_seqlens_q=cu, seq_lens=lens,
                     block_table=table, softmax_scale=b.scale)
-        kw = {k: over.pop(k) for k in list(over) if k.startswith(("cp_", "sliding"))}
+        kw = {k: over.pop(k) for k in list(over) if k.startswith(("cp", "sliding"))}
         args.update(over)
         return fn(**args, **kw)
 
@@ -199,8 +200,8 @@ def test_rejects_bad_arguments(kh, fn) -> None:
     with pytest.raises(KernelArgumentError, match="contiguous"):
         call(kv_cache=cache.transpose(3, 4))
     with pytest.raises(KernelArgumentError, match="cp_interleave"):
-        call(cp_size=2, cp_interleave=3)
+        call(cp=CPLayout(0, 2, 3))
     with pytest.raises(KernelArgumentError, match="cp_rank"):
-        call(cp_size=2, cp_rank=2)
+        call(cp=CPLayout(2, 2))
     with pytest.raises(KernelArgumentError, match="sliding_window"):
         call(sliding_window=0)

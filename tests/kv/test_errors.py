@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.kv_requests import SimpleRequest
 
 from pagedserve.kv import (
     BlockHasher,
@@ -11,7 +12,6 @@ from pagedserve.kv import (
     KVCacheError,
     KVCacheManager,
     RequestTooLargeError,
-    SimpleRequest,
     SlidingWindowSpec,
     UnknownRequestError,
 )
@@ -47,7 +47,6 @@ def assert_unchanged(m: KVCacheManager, before) -> None:  # type: ignore[no-unty
         {"num_new_tokens": 0},
         {"num_new_tokens": -1},
         {"num_new_tokens": 1, "num_new_computed_tokens": -16},
-        {"num_new_tokens": 1, "num_lookahead_tokens": -1},
         {"num_new_tokens": 1, "num_new_computed_tokens": 16},  # hit tokens without blocks
         {"num_new_tokens": 300},  # beyond max_model_len
     ],

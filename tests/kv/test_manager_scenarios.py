@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from helpers.kv_requests import SimpleRequest
 
 from pagedserve.kv import (
     BlockHasher,
     BlockPool,
     FullAttentionSpec,
     KVCacheManager,
-    SimpleRequest,
     SlidingWindowSpec,
 )
 
@@ -333,19 +333,6 @@ def test_block_fill_snapshot_counts_shared_blocks_once() -> None:
     snap = m.block_fill_snapshot()
     assert snap.dtype == np.int32 and snap.shape == (11,)
     assert snap.tolist() == [0, 16, 16, 8, 0, 0, 0, 0, 0, 0, 0]
-
-
-def test_lookahead_slots_are_allocated_but_never_cached_and_capped() -> None:
-    m = make(max_model_len=64)
-    a = req("a", list(range(20)))
-    new = m.allocate_slots(a, 20, num_lookahead_tokens=20)  # 40 slots -> 3 blocks
-    assert new is not None and new.get_block_ids() == ([1, 2, 3],)
-    assert [m.pool.blocks[i].block_hash is not None for i in (1, 2, 3)] == [True, False, False]
-    a.num_computed_tokens = 20
-    a.append_token_id(1)
-    new = m.allocate_slots(a, 1, num_lookahead_tokens=100)  # capped at max_model_len = 4 blocks
-    assert new is not None and new.get_block_ids() == ([4],)
-    m.check_integrity()
 
 
 def test_prefix_stats_and_usage() -> None:

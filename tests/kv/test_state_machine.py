@@ -6,6 +6,7 @@ the manager bit-for-bit unchanged; freeing every request must return every usabl
 
 from __future__ import annotations
 
+from helpers.kv_requests import SimpleRequest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -20,7 +21,6 @@ from pagedserve.kv import (
     BlockHasher,
     FullAttentionSpec,
     KVCacheManager,
-    SimpleRequest,
     SlidingWindowSpec,
 )
 
@@ -83,18 +83,17 @@ class KVMachine(RuleBasedStateMachine):
         n: int,
         hit: int = 0,
         hit_blocks=None,  # type: ignore[no-untyped-def]
-        lookahead: int = 0,
     ) -> bool:
         m = self.m
         assert m is not None
         before = snapshot(m)
-        out = m.allocate_slots(r, n, hit, hit_blocks, lookahead)
+        out = m.allocate_slots(r, n, hit, hit_blocks)
         if out is None:
             assert snapshot(m) == before, "allocate_slots returned None but changed state"
             return False
         return True
 
-    def _admit(self, r: SimpleRequest, chunk: int, lookahead: int) -> None:
+    def _admit(self, r: SimpleRequest, chunk: int) -> None:
         m = self.m
         assert m is not None
         hit_blocks, hit = m.get_computed_blocks(r)
@@ -107,7 +106,7 @@ class KVMachine(RuleBasedStateMachine):
                     assert b.block_hash[:-4] == r.block_hashes[i]
                     assert int.from_bytes(b.block_hash[-4:], "big") == gid
         n = min(r.num_tokens - hit, chunk)
-        if self._try_alloc(r, n, hit, hit_blocks, lookahead):
+        if self._try_alloc(r, n, hit, hit_blocks):
             r.num_computed_tokens = hit + n
             self.running.append(r)
         else:
@@ -119,32 +118,28 @@ class KVMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, 5), max_size=20),
         chunk=st.integers(1, 40),
         salt=st.sampled_from([None, None, "t1"]),
-        lookahead=st.integers(0, 2),
     )
-    def admit(
-        self, family: int, tail: list[int], chunk: int, salt: str | None, lookahead: int
-    ) -> None:
+    def admit(self, family: int, tail: list[int], chunk: int, salt: str | None) -> None:
         prompt = (PREFIXES[family] if family < len(PREFIXES) else []) + tail
         if not prompt:
             prompt = [9]
         self.counter += 1
         r = SimpleRequest(f"r{self.counter}", prompt, self.hasher, salt)
-        self._admit(r, chunk, lookahead)
+        self._admit(r, chunk)
 
     @precondition(lambda self: self.waiting)
     @rule(idx=st.integers(0, 100), chunk=st.integers(1, 40))
     def readmit(self, idx: int, chunk: int) -> None:
         r = self.waiting.pop(idx % len(self.waiting))
-        self._admit(r, chunk, 0)
+        self._admit(r, chunk)
 
     @precondition(lambda self: self.running)
     @rule(
         idx=st.integers(0, 100),
         chunk=st.integers(1, 40),
         token=st.integers(0, 5),
-        lookahead=st.integers(0, 2),
     )
-    def step(self, idx: int, chunk: int, token: int, lookahead: int) -> None:
+    def step(self, idx: int, chunk: int, token: int) -> None:
         """Continue a chunked prefill, or sample one token and decode it."""
         r = self.running[idx % len(self.running)]
         if r.num_computed_tokens == r.num_tokens:
@@ -152,7 +147,7 @@ class KVMachine(RuleBasedStateMachine):
                 return self._finish(r)
             r.append_token_id(token)
         n = min(r.num_tokens - r.num_computed_tokens, chunk)
-        if self._try_alloc(r, n, lookahead=lookahead):
+        if self._try_alloc(r, n):
             r.num_computed_tokens += n
 
     @precondition(lambda self: self.running)

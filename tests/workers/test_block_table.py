@@ -1,4 +1,4 @@
-"""Block tables: row operations, slot mapping, the DCP -1 mask and kernel-block mapping."""
+"""Block tables: row operations, slot mapping and the DCP -1 mask."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.kernels import CPLayout
 from pagedserve.workers.block_table import BlockTable, MultiGroupBlockTable
 
 CPU = torch.device("cpu")
@@ -24,13 +25,10 @@ def test_row_operations():
     assert t.np[0, :3].tolist() == [7, 3, 9] and t.num_blocks[0] == 3
     t.move_row(0, 2)
     assert t.np[2, :3].tolist() == [7, 3, 9] and t.num_blocks[2] == 3
-    t.swap_row(1, 2)
-    assert t.np[1, :3].tolist() == [7, 3, 9] and t.np[2, :1].tolist() == [5]
-    assert (t.num_blocks[1], t.num_blocks[2]) == (3, 1)
-    t.move_row(2, 1)  # a shorter row over a longer one leaves no stale ids
-    assert t.np[1].tolist() == [5] + [0] * 7 and t.num_blocks[1] == 1
-    t.clear_row(1)
-    assert t.num_blocks[1] == 0 and not t.np[1].any()
+    t.move_row(1, 2)  # a shorter row over a longer one leaves no stale ids
+    assert t.np[2].tolist() == [5] + [0] * 7 and t.num_blocks[2] == 1
+    t.clear_row(2)
+    assert t.num_blocks[2] == 0 and not t.np[2].any()
     t.add_row([1, 2], 3)
     assert t.commit(4)[3, :2].tolist() == [1, 2]
     with pytest.raises(ValueError):
@@ -48,7 +46,8 @@ def test_slot_mapping_without_cp():
 
 
 def _reference_slots(ids, positions, b, w, inter, rank):
-    """Direct transcription of DESIGN.md §4 for one request."""
+    """The DCP slot rule written out directly for one request: virtual block V = B * W,
+    owner (off // I) % W, local offset (off // (W * I)) * I + off % I, else -1."""
     out = []
     v = b * w
     for p in positions:
@@ -68,7 +67,7 @@ def test_slot_mapping_with_dcp(w, interleave):
     owners = []
     seen_slots = set()
     for rank in range(w):
-        t = table(cp_size=w, cp_rank=rank, cp_interleave=interleave)
+        t = table(cp=CPLayout(rank, w, interleave))
         t.add_row(ids, 1)
         got = t.slot_mapping(np.ones(len(positions), dtype=np.int64), np.array(positions))
         assert got.tolist() == _reference_slots(ids, positions, b, w, interleave, rank)
@@ -89,35 +88,12 @@ def test_slot_mapping_matches_kernel_cp_layout():
     from pagedserve.kernels import cp_owner_and_offset
 
     b, w, inter = 8, 3, 2
-    t = table(block_size=b, cp_size=w, cp_rank=1, cp_interleave=inter)
+    t = table(block_size=b, cp=CPLayout(1, w, inter))
     t.add_row([4, 6], 0)
     pos = np.arange(2 * b * w)
     owner, local = cp_owner_and_offset(pos, b, w, inter)
     expected = np.where(owner == 1, np.array([4, 6])[pos // (b * w)] * b + local, -1)
     assert t.slot_mapping(np.zeros_like(pos), pos).tolist() == expected.tolist()
-
-
-def test_kernel_block_mapping():
-    # Manager blocks of 8 tokens seen as kernel blocks of 4: id b -> kernel ids 2b, 2b + 1.
-    t = table(block_size=8, kernel_block_size=4)
-    t.add_row([0, 1, 2], 0)
-    assert t.np[0, :6].tolist() == [0, 1, 2, 3, 4, 5]
-    t.add_row([5, 3], 1)
-    assert t.np[1, :4].tolist() == [10, 11, 6, 7] and t.num_blocks[1] == 4
-    pos = np.arange(16)
-    slots = t.slot_mapping(np.ones(16, dtype=np.int64), pos)
-    # Same physical address as the manager view: id * 8 + offset.
-    assert slots.tolist() == [5 * 8 + p for p in range(8)] + [3 * 8 + p for p in range(8)]
-    # And as the kernel view: table[p // 4] * 4 + p % 4.
-    assert slots.tolist() == [int(t.np[1, p // 4]) * 4 + p % 4 for p in range(16)]
-
-
-def test_kernel_blocks_with_dcp():
-    t = table(block_size=8, kernel_block_size=4, cp_size=2, cp_rank=1, cp_interleave=1)
-    t.add_row([3], 0)
-    pos = np.arange(16)
-    got = t.slot_mapping(np.zeros(16, dtype=np.int64), pos)
-    assert got.tolist() == _reference_slots([3], list(pos), 8, 2, 1, 1)
 
 
 def test_multi_group_fans_out():

@@ -64,9 +64,7 @@ class PagedAttention(nn.Module):
             md.block_table,
             self.scale,
             sliding_window=self.sliding_window,
-            cp_rank=ctx.cp_rank,
-            cp_size=ctx.cp_size,
-            cp_interleave=ctx.cp_interleave,
+            cp=ctx.cp,
             return_lse=w > 1,
         )
         if w == 1:

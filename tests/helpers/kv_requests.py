@@ -1,8 +1,7 @@
-"""A minimal request satisfying :class:`pagedserve.kv.base.KVRequest`.
+"""A minimal request satisfying :class:`pagedserve.kv.base.KVRequest`, for the KV tests.
 
-Used by tests and benchmarks, and a reference for the scheduler's own Request: it shows the
-one thing a request must do for the KV manager, which is to extend its block hashes whenever
-tokens are appended.
+It shows the one thing a request must do for the KV manager, which is to extend its block
+hashes whenever tokens are appended.
 """
 
 from __future__ import annotations
