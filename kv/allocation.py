@@ -11,15 +11,11 @@ private copies for shared blocks being written; released out-of-window blocks ar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pagedserve.kv.base import KVRequest
+from pagedserve.kv.base import KVRequest, ManagerView
 from pagedserve.kv.block import KVBlock
 from pagedserve.kv.errors import InvalidArgumentError
 from pagedserve.kv.kv_blocks import KVCacheBlocks
-
-if TYPE_CHECKING:
-    from pagedserve.kv.manager import KVCacheManager
 
 __all__ = ["AllocationPlan", "plan_allocation"]
 
@@ -36,7 +32,7 @@ class AllocationPlan:
 
 
 def plan_allocation(
-    mgr: KVCacheManager,
+    mgr: ManagerView,
     request: KVRequest,
     num_new_tokens: int,
     num_new_computed_tokens: int,
@@ -81,7 +77,7 @@ def plan_allocation(
 
 
 def _validate_hits(
-    mgr: KVCacheManager,
+    mgr: ManagerView,
     request: KVRequest,
     is_new: bool,
     num_new_computed_tokens: int,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["KVRequest"]
+__all__ = ["KVRequest", "ManagerView"]
 
 
 @runtime_checkable
@@ -40,3 +41,28 @@ class KVRequest(Protocol):
 
     @property
     def cache_salt(self) -> str | None: ...
+
+
+class ManagerView(Protocol):
+    """What the allocation planner and the integrity checks read of ``KVCacheManager``, so
+    that they need not import the manager that imports them."""
+
+    block_size: int
+    enable_caching: bool
+    max_model_len: int
+    policy: str
+
+    @property
+    def managers(self) -> Sequence[Any]: ...
+
+    @property
+    def pool(self) -> Any: ...
+
+    @property
+    def num_groups(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_filled_tokens(self) -> Mapping[str, int]: ...

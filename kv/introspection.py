@@ -3,19 +3,15 @@ block-fill snapshots."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from pagedserve.kv.base import ManagerView
 from pagedserve.kv.specs import FullAttentionSpec
-
-if TYPE_CHECKING:
-    from pagedserve.kv.manager import KVCacheManager
 
 __all__ = ["block_fill_snapshot", "check_manager_integrity"]
 
 
-def block_fill_snapshot(mgr: KVCacheManager) -> np.ndarray:
+def block_fill_snapshot(mgr: ManagerView) -> np.ndarray:
     """Tokens held per block id by running requests; see ``KVCacheManager.block_fill_snapshot``.
 
     Counts are in manager (virtual) block tokens, i.e. up to ``mgr.block_size``.
@@ -45,7 +41,7 @@ def block_fill_snapshot(mgr: KVCacheManager) -> np.ndarray:
     return out
 
 
-def check_manager_integrity(mgr: KVCacheManager) -> None:
+def check_manager_integrity(mgr: ManagerView) -> None:
     """Raise AssertionError on the first broken invariant."""
     pool = mgr.pool
     pool.check_integrity()
