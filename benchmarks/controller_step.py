@@ -20,7 +20,7 @@ byte-level tokenizer detokenizes the outputs (``--no-tokenizer``: none).
         --out docs/results/controller_step.md
     python benchmarks/controller_step.py --quick         # a few seconds
 
-Only ``EngineCore(config, executor)``, ``add_request(request_id, prompt_token_ids, params)`` and
+Only ``EngineCore(config, executor)``, ``add_request(AddRequest(...))`` and
 ``step()`` are used, and ``step()``'s return value is not inspected, so the script runs against
 any engine core with that surface.
 """
@@ -42,6 +42,7 @@ from pathlib import Path
 from pagedserve.config import from_flat
 from pagedserve.controller.engine_core import EngineCore
 from pagedserve.messages import (
+    AddRequest,
     KVCacheLayout,
     LayerKVSpec,
     ModelRunnerOutput,
@@ -90,6 +91,12 @@ class InstantExecutor:
         self.execute_ns += self.clock() - t0
         return out
 
+    def check_failure(self) -> None:
+        return None
+
+    def restart(self) -> WorkerReport:
+        return self.initialize()
+
     def shutdown(self) -> None:
         pass
 
@@ -129,7 +136,7 @@ def run(args: argparse.Namespace) -> tuple[list[tuple[int, float]], dict[str, fl
     t_start = time.perf_counter()
     for i in range(args.requests):
         prompt = [rng.randint(FIRST_TOKEN, hi) for _ in range(args.prompt_len)]
-        engine.add_request(f"req-{i}", prompt, params)
+        engine.add_request(AddRequest(f"req-{i}", prompt, params))
     steps: list[tuple[int, float]] = []
     clock = CLOCKS[args.clock]
     first = "req-0"

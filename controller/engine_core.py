@@ -116,6 +116,7 @@ class EngineCore:
         self._groups: dict[str, _Group] = {}
         self._time_schedule = 0.0
         self._time_execute = 0.0
+        self._kv_integrity_ok = 1
 
     def _new_scheduler(self, step_hooks: list[StepHook]) -> Scheduler:
         sched = self.config.scheduler
@@ -252,6 +253,8 @@ class EngineCore:
                 deltas.append(delta)
             if group.finished:
                 del self._groups[gid]
+        if not self._groups:
+            self._check_idle_kv()
         # The controller's share of a step (schedule + bookkeeping) against the workers'.
         self._time_execute += t2 - t1
         self._time_schedule += (t1 - t0) + (time.perf_counter() - t2)
@@ -345,6 +348,16 @@ class EngineCore:
         return True
 
     # -------------------------------------------------------------------- misc
+    def _check_idle_kv(self) -> None:
+        """Each time the engine runs dry, every block must be back: check the KV manager's
+        invariants once (cheap then) and publish the verdict in the stats."""
+        try:
+            self.kv.check_integrity()
+            self._kv_integrity_ok = int(self.kv.num_free_blocks == self.kv_layout.num_blocks - 1)
+        except AssertionError as exc:
+            logger.error("KV manager integrity check failed while idle: %s", exc)
+            self._kv_integrity_ok = 0
+
     def has_unfinished(self) -> bool:
         return bool(self._groups)
 
@@ -357,6 +370,7 @@ class EngineCore:
         stats["kv_capacity_tokens"] = stats["kv_blocks_total"] * self.kv.block_size
         stats["time_schedule_s"] = self._time_schedule
         stats["time_execute_s"] = self._time_execute
+        stats["kv_integrity_ok"] = self._kv_integrity_ok  # as of the last time it ran dry
         return stats
 
     def add_step_hook(self, hook: StepHook) -> None:

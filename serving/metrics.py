@@ -44,6 +44,9 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
      "Prompt tokens found in the prefix cache.", "counter"),
     ("num_preemptions", "num_preemptions", "Requests preempted by recompute.", "counter"),
     ("num_steps", "engine_steps", "Engine steps run.", "counter"),
+    ("kv_integrity_ok", "kv_cache_integrity_ok",
+     "1 if the KV manager's invariants held (and every block was free) when it last ran dry.",
+     "gauge"),
 )
 
 

@@ -20,3 +20,18 @@ def test_controller_step_quick(tmp_path: Path) -> None:
     assert "| output length | median µs per step | vs 16 tokens |" in proc.stdout
     assert "| 16 |" in proc.stdout and "| 32 |" in proc.stdout
     assert "## quick" in out.read_text() and "| 16 |" in out.read_text()
+
+
+def test_chaos_quick(tmp_path: Path) -> None:
+    """A storm against the server with a worker killed mid-way: no drops, no leaks, the same
+    greedy text afterwards (the script exits 1 otherwise)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "reliability.md"
+    cmd = [sys.executable, str(BENCHMARKS / "chaos.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "chaos: PASS" in proc.stdout
+    report = out.read_text()
+    assert "| drops (no complete answer, no typed error) | 0 |" in report
+    assert "| worker kills / recoveries | 1 / 1 |" in report
