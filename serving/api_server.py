@@ -30,6 +30,7 @@ from pagedserve.serving.openai_handlers import Endpoint, prepare_chat, prepare_c
 from pagedserve.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     ModelCard,
     ModelList,
 )
@@ -82,6 +83,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}: {first.get('msg', 'invalid value')}{more}", param
 
 
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in ((400, "invalid request"), (401, "missing or invalid API key"),
+                         (404, "unknown model or route"), (500, "internal error"),
+                         (503, "the engine is down or full"))
+}
+_ANSWERS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the completion, or a stream of server-sent events",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    499: {"description": "the client went away before the answer", "content": None},
+    **_ERRORS,
+}
+
+
 def build_app(client: EngineClient, *, api_key: str | None = None) -> FastAPI:
     """The ASGI app serving ``client``. Metrics live in a registry owned by this app."""
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
@@ -129,7 +144,11 @@ def build_app(client: EngineClient, *, api_key: str | None = None) -> FastAPI:
             return await call_next(request)
 
     # ----------------------------------------------------------------------- routes
-    @app.get("/health")
+    # Every status a route can answer is in the OpenAPI schema, with its real media type.
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "the engine serves", "content": None},
+        503: {"description": "the engine is down", "content": None},
+    })
     async def health() -> Response:
         try:
             healthy = client.is_healthy()
@@ -137,24 +156,26 @@ def build_app(client: EngineClient, *, api_key: str | None = None) -> FastAPI:
             healthy = False
         return Response(status_code=200 if healthy else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE_LATEST: {}}},
+    })
     async def prometheus() -> Response:
         # stats() of a remote engine is a round trip: keep it off the event loop.
         body = await asyncio.to_thread(metrics.render)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_ERRORS)
     async def models() -> dict[str, Any]:
         card = ModelCard(
             id=client.model_name, root=client.model_name, max_model_len=client.max_model_len
         )
         return ModelList(data=[card]).model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_ANSWERS)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await _answer(await prepare_completion(ctx, body), raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_ANSWERS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _answer(await prepare_chat(ctx, body), raw)
 
