@@ -37,11 +37,12 @@ def take_delta(seq: Request) -> CompletionDelta | None:
     """
     finished = seq.is_finished
     tokens = seq.output_token_ids[seq.num_emitted_tokens :]
-    text = seq.output_text
-    end = len(text)
+    detok = seq.detokenizer
+    end = detok.text_len if detok is not None else 0
     if not finished and seq.sampling_params.stop:
         end -= max(len(s) for s in seq.sampling_params.stop) - 1
-    new_text = text[seq.num_emitted_chars : end] if end > seq.num_emitted_chars else ""
+    start = seq.num_emitted_chars
+    new_text = detok.text_from(start)[: end - start] if detok is not None and end > start else ""
     if not tokens and not new_text and not (finished and not seq.emitted_final):
         return None
     logprobs = None

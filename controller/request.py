@@ -167,7 +167,7 @@ class Request:
             self.finish(RequestStatus.FINISHED_STOPPED)
             return
         if detok is not None:
-            old_len = len(detok.output_text)
+            old_len = detok.text_len
             delta = detok.step([token_id])
             if delta and params.stop and may_stop and self._check_stop_strings(old_len):
                 return
@@ -188,18 +188,18 @@ class Request:
         """Truncate at the first stop string that ends in the new text; True if one did."""
         detok = self.detokenizer
         assert detok is not None
-        text = detok.output_text
         longest = max(len(s) for s in self.sampling_params.stop)
         # A match must end inside the new delta, so it starts at most len(stop)-1 chars earlier.
         search_from = max(0, old_len - longest + 1)
+        text = detok.text_from(search_from)
         best: tuple[int, str] | None = None
         for s in self.sampling_params.stop:
-            i = text.find(s, search_from)
+            i = text.find(s)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return False
-        detok.output_text = text[: best[0]]
+        detok.truncate(search_from + best[0])
         self.stop_reason = best[1]
         self.status = RequestStatus.FINISHED_STOPPED
         return True

@@ -99,7 +99,9 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix = 0
         self._read = len(self._ids)
-        self.output_text = ""
+        # The text so far as chunks: appending is O(new), where ``str +=`` copies it all.
+        self._chunks: list[str] = []
+        self.text_len = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -117,7 +119,7 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         if self._prefix > 4 * _PROMPT_CONTEXT_TOKENS:
             self._trim()
-        self.output_text += delta
+        self._append(delta)
         return delta
 
     def flush(self) -> str:
@@ -126,8 +128,37 @@ class IncrementalDetokenizer:
         after = self._decode(self._ids[self._prefix :])
         delta = after[len(before) :] if len(after) > len(before) else ""
         self._prefix = self._read = len(self._ids)
-        self.output_text += delta
+        self._append(delta)
         return delta
+
+    def _append(self, text: str) -> None:
+        if text:
+            self._chunks.append(text)
+            self.text_len += len(text)
+
+    @property
+    def output_text(self) -> str:
+        """The whole text so far (joins once; later reads are free until more arrives)."""
+        if len(self._chunks) > 1:
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def text_from(self, start: int) -> str:
+        """The text from character ``start`` on: O(what follows ``start``)."""
+        tail: list[str] = []
+        pos = self.text_len
+        for chunk in reversed(self._chunks):
+            if pos <= start:
+                break
+            pos -= len(chunk)
+            tail.append(chunk if pos >= start else chunk[start - pos :])
+        return "".join(reversed(tail))
+
+    def truncate(self, length: int) -> None:
+        """Cut the text to its first ``length`` characters (a stop string matched)."""
+        text = self.output_text[:length]
+        self._chunks[:] = [text] if text else []
+        self.text_len = len(text)
 
     def _trim(self) -> None:
         # Only ids from ``_prefix`` on are ever decoded again; drop the rest so memory stays flat.
