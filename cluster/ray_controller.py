@@ -30,12 +30,11 @@ from pagedserve.cluster.mailbox import Mailbox
 from pagedserve.config import EngineConfig
 from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.loop import EngineLoop
+from pagedserve.frame_auth import FrameAuth, FrameAuthError
 from pagedserve.messages import (
     AbortRequest,
     AddRequest,
     EngineStatus,
-    FrameAuth,
-    FrameAuthError,
     MessageDecodeError,
     OutputBatch,
     StatusRequest,

@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.cluster.placement import RankSlot, rank_slots, wait_placed
 from pagedserve.cluster.wire import StepChannel
-from pagedserve.cluster.wire_errors import (
+from pagedserve.cluster.wire_frames import (
     BadFrameError,
     RankDisconnectedError,
     StepTimeoutError,

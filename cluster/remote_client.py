@@ -26,11 +26,11 @@ from zmq.utils.monitor import recv_monitor_message
 from pagedserve.cluster.mailbox import Mailbox
 from pagedserve.controller.client import ClientBase
 from pagedserve.controller.tokenizer import Tokenizer
+from pagedserve.frame_auth import FrameAuth
 from pagedserve.messages import (
     AbortRequest,
     AddRequest,
     EngineStatus,
-    FrameAuth,
     MessageDecodeError,
     OutputBatch,
     StatusRequest,

@@ -33,22 +33,22 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import zmq
 
-from pagedserve.cluster.wire_errors import (
+from pagedserve.cluster.wire_frames import (
     BadFrameError,
     HandshakeError,
     HandshakeTimeoutError,
     RankDisconnectedError,
+    RankInfo,
     StepTimeoutError,
     WireError,
     WorkerStepError,
+    parse_hello,
 )
+from pagedserve.frame_auth import FrameAuth, FrameAuthError
 from pagedserve.messages import (
-    FrameAuth,
-    FrameAuthError,
     MessageDecodeError,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -57,58 +57,9 @@ from pagedserve.messages import (
     encode,
 )
 
-__all__ = [
-    "BadFrameError",
-    "HandshakeError",
-    "HandshakeTimeoutError",
-    "RankDisconnectedError",
-    "RankInfo",
-    "StepChannel",
-    "StepTimeoutError",
-    "WireError",
-    "WorkerStepError",
-]
+__all__ = ["StepChannel"]
 
 logger = logging.getLogger(__name__)
-
-
-
-# --------------------------------------------------------------------------------------------
-# Errors. Each one pickles with its fields (it may cross a Ray call out of the controller actor).
-
-
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    """What a rank told the channel in its hello."""
-
-    rank: int
-    node: str
-    pid: int
-    is_output_rank: bool
-
-
-def _parse_hello(body: bytes) -> RankInfo:
-    try:
-        fields = decode(body)
-    except MessageDecodeError as exc:
-        raise BadFrameError(f"undecodable hello: {exc}") from exc
-    if not isinstance(fields, list) or len(fields) != 5:
-        raise BadFrameError(f"malformed hello: {fields!r:.200}")
-    version, rank, node, pid, is_output = fields
-    if version != StepFrame.VERSION:
-        raise HandshakeError(
-            f"rank {rank} speaks wire version {version!r}, the controller {StepFrame.VERSION} "
-            "(mixed pagedserve builds across nodes?)"
-        )
-    ok = (
-        isinstance(rank, int)
-        and isinstance(node, str)
-        and isinstance(pid, int)
-        and isinstance(is_output, bool)
-    )
-    if not ok:
-        raise BadFrameError(f"malformed hello: {fields!r:.200}")
-    return RankInfo(rank, node, pid, is_output)
 
 
 def _ms_left(deadline: float) -> int:
@@ -266,7 +217,7 @@ class StepChannel:
         # A DEALER's frames arrive behind the identity the ROUTER gave its connection.
         if len(frames) != 3 or frames[1] != StepFrame.HELLO:
             raise BadFrameError(f"unexpected frame on the step socket ({len(frames)} parts)")
-        info = self._check_hello(_parse_hello(frames[2]))
+        info = self._check_hello(parse_hello(frames[2]))
         route = self._routes.get(info.rank)
         if route is not None and route != frames[0]:
             raise HandshakeError(f"rank {info.rank} connected twice (second from {info.node})")
@@ -275,7 +226,7 @@ class StepChannel:
     def _on_reply_socket_hello(self, frames: list[bytes]) -> None:
         if len(frames) != 2 or frames[0] != StepFrame.HELLO:
             raise BadFrameError(f"unexpected frame on the reply socket before ready: {frames[:1]}")
-        info = self._check_hello(_parse_hello(frames[1]))
+        info = self._check_hello(parse_hello(frames[1]))
         if info.rank in self._reply_seen:
             raise HandshakeError(f"rank {info.rank} said hello twice on the reply socket")
         self._reply_seen.add(info.rank)

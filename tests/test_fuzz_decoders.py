@@ -9,6 +9,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedserve.frame_auth import FrameAuth, FrameAuthError
 from pagedserve.messages import (
     AbortRequest,
     AddRequest,
@@ -16,8 +17,6 @@ from pagedserve.messages import (
     CachedRequestData,
     CompletionDelta,
     EngineStatus,
-    FrameAuth,
-    FrameAuthError,
     MessageDecodeError,
     ModelRunnerOutput,
     NewRequestData,

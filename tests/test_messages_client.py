@@ -28,13 +28,13 @@ from pagedserve.controller.errors import (
 )
 from pagedserve.controller.loop import EngineLoop
 from pagedserve.controller.outputs import OutputAccumulator
+from pagedserve.frame_auth import FrameAuth
 from pagedserve.messages import (
     AbortRequest,
     AddRequest,
     AddResult,
     CompletionDelta,
     EngineStatus,
-    FrameAuth,
     KVCacheLayout,
     LayerKVSpec,
     ModelRunnerOutput,

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from pagedserve.cluster.wire import StepChannel
-from pagedserve.cluster.wire_errors import (
+from pagedserve.cluster.wire_frames import (
     BadFrameError,
     HandshakeError,
     HandshakeTimeoutError,
@@ -21,9 +21,9 @@ from pagedserve.cluster.wire_errors import (
     WireError,
     WorkerStepError,
 )
+from pagedserve.frame_auth import FrameAuth
 from pagedserve.messages import (
     CachedRequestData,
-    FrameAuth,
     ModelRunnerOutput,
     SchedulerOutput,
     encode,

@@ -26,9 +26,8 @@ from collections.abc import Sequence
 
 import zmq
 
+from pagedserve.frame_auth import FrameAuth, FrameAuthError
 from pagedserve.messages import (
-    FrameAuth,
-    FrameAuthError,
     MessageDecodeError,
     ModelRunnerOutput,
     SchedulerOutput,

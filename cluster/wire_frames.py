@@ -1,8 +1,13 @@
-"""The step channel's errors: what can go wrong between the controller and its ranks."""
+"""The step channel's frame-level pieces: the hello a rank sends, and the typed errors of what
+can go wrong between the controller and its ranks (each pickles with its fields: it may cross
+a Ray call out of the controller actor)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from pagedserve.messages import MessageDecodeError, StepFrame, decode
 
 
 class WireError(RuntimeError):
@@ -88,3 +93,37 @@ class BadFrameError(WireError, ValueError):
 
 
 # --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """What a rank told the channel in its hello."""
+
+    rank: int
+    node: str
+    pid: int
+    is_output_rank: bool
+
+
+def parse_hello(body: bytes) -> RankInfo:
+    try:
+        fields = decode(body)
+    except MessageDecodeError as exc:
+        raise BadFrameError(f"undecodable hello: {exc}") from exc
+    if not isinstance(fields, list) or len(fields) != 5:
+        raise BadFrameError(f"malformed hello: {fields!r:.200}")
+    version, rank, node, pid, is_output = fields
+    if version != StepFrame.VERSION:
+        raise HandshakeError(
+            f"rank {rank} speaks wire version {version!r}, the controller {StepFrame.VERSION} "
+            "(mixed pagedserve builds across nodes?)"
+        )
+    ok = (
+        isinstance(rank, int)
+        and isinstance(node, str)
+        and isinstance(pid, int)
+        and isinstance(is_output, bool)
+    )
+    if not ok:
+        raise BadFrameError(f"malformed hello: {fields!r:.200}")
+    return RankInfo(rank, node, pid, is_output)
