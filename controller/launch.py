@@ -42,17 +42,12 @@ BACKENDS = ("ray", "local")
 
 
 def resolve_model_dir(model: str | None) -> str:
-    """The checkpoint to serve; with none given, the demo checkpoint (written once, cached)."""
-    if model:
-        return model
-    demo = importlib.import_module("pagedserve.workers.demo")
-    path = demo.demo_checkpoint_dir()
-    logger.warning(
-        "no model given: serving the built-in demo checkpoint at %s "
-        "(random weights: its output is meaningless)",
-        path,
-    )
-    return str(path)
+    """The checkpoint directory to serve for what the user named: None is the default real
+    model (SmolLM2-135M-Instruct, converted once into the user cache), ``"demo"`` the random
+    demo checkpoint, a ``.gguf`` file a converted copy, a checkpoint directory itself (see
+    ``workers/checkpoints.py``; raises ``UnknownModelError``, a ``ConfigError``, otherwise)."""
+    checkpoints = importlib.import_module("pagedserve.workers.checkpoints")
+    return str(checkpoints.prepare_checkpoint(model))
 
 
 def model_name(config: EngineConfig) -> str:
