@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from pagedserve.controller.chat import ChatError, render_chat
 from pagedserve.controller.client import EngineClient, EngineDeadError
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.messages import RequestOutput, SamplingParams, SamplingParamsError
@@ -187,17 +188,10 @@ def _encode_prompt(
         if not isinstance(value, str):
             raise LineError("prompt must be a string")
         return tokenizer.encode(value), value
-    if not isinstance(value, list) or not value or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    ):
-        raise LineError("messages must be a non-empty list of {role, content} string objects")
     try:
-        text = tokenizer.hf.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # no template, or a template that rejects these messages
-        raise LineError(f"cannot apply the chat template: {exc}") from exc
-    # The template writes its own special tokens (BOS); adding them again would double them.
-    return list(tokenizer.hf.encode(text, add_special_tokens=False)), None
+        return render_chat(tokenizer, value)[1], None
+    except ChatError as exc:
+        raise LineError(str(exc)) from exc
 
 
 def parse_line(
