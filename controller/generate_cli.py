@@ -76,6 +76,7 @@ def _start_client(args: argparse.Namespace) -> EngineClient:
     from pagedserve.config import from_flat
     from pagedserve.controller.launch import resolve_model_dir, start_engine
 
+    from_flat(**engine_options(args))  # the options first: the model may need converting
     model_dir = resolve_model_dir(getattr(args, "model", None))
     return start_engine(from_flat(model=model_dir, **engine_options(args)), args.backend)
 

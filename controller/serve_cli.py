@@ -47,6 +47,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print("pagedserve: no --model given, serving the default model "
               "SmolLM2-135M-Instruct", file=sys.stderr)
     try:
+        from_flat(**engine_options(args))  # the options first: the model may need converting
         config = from_flat(model=resolve_model_dir(args.model), **engine_options(args))
     except ConfigError as exc:
         print(f"pagedserve serve: invalid option {exc}", file=sys.stderr)
