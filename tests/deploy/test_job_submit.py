@@ -204,7 +204,7 @@ def test_generate_runs_as_a_ray_job(ray_head: dict[str, Any], tmp_path: Path) ->
         build_parser().parse_args(entrypoint[1:])
     except SystemExit:
         pytest.fail(f"`{shlex.join(entrypoint)}` does not parse with pagedserve.cli: is "
-                    "`generate` wired to controller.generate_cli.add_generate_arguments?")
+                    "`generate` wired to serving.generate_cli.add_generate_arguments?")
 
     working_dir = tmp_path / "job"
     working_dir.mkdir()

