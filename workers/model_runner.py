@@ -24,6 +24,9 @@ from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
 from pagedserve.workers.sampler import Sampler, SamplerOutput, SamplingMetadata
 
+PROMPT_LOGITS_BYTES = 1 << 28
+"""At most this many bytes of float32 logits at once when scoring a chunk's prompt tokens."""
+
 
 class ModelRunner:
     def __init__(
@@ -163,8 +166,8 @@ class ModelRunner:
         targets = np.concatenate([b.token_ids[r, lo + 1 : lo + 1 + n] for _, r, lo, _, n in picks])
         flat_dev, targets_dev = self._to_device(flat), self._to_device(targets)
         k = max(widths) - 1
-        # Bound the [rows, vocab] float32 logits of a long prompt chunk (about 256 MiB).
-        step = max(1, (1 << 28) // (4 * max(1, b.vocab_size)))
+        # Bound the [rows, vocab] float32 logits of a long prompt chunk.
+        step = max(1, PROMPT_LOGITS_BYTES // (4 * max(1, b.vocab_size)))
         ids_rows: list[list[int]] = []
         lp_rows: list[list[float]] = []
         for s in range(0, len(flat), step):
