@@ -308,7 +308,10 @@ def _sampling_params(
     ``max_tokens`` 0 asks for the prompt alone (scoring it)."""
     if max_tokens == 0 and not echo:
         param = names.get("max_tokens", "max_tokens")
-        raise APIError(400, f"{param} must be at least 1 (0 only with echo)", param=param)
+        raise APIError(
+            400, f"{param} must be at least 1 (0, the prompt alone, needs echo on "
+            "/v1/completions)", param=param,
+        )
     kw: dict[str, Any] = {"n": body.n, "max_tokens": max_tokens, "logprobs": logprobs}
     if echo and logprobs is not None:
         kw["prompt_logprobs"] = logprobs
