@@ -50,7 +50,10 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k`` of 0 or -1 disables top-k. ``seed`` makes the
     request's samples reproducible whatever else shares its batch. ``logprobs`` asks for the
-    sampled token's log-probability plus that many top alternatives.
+    sampled token's log-probability plus that many top alternatives; ``prompt_logprobs`` asks
+    for each prompt token's log-probability given the tokens before it (position 0 has none),
+    plus that many top alternatives. ``max_tokens == 0`` computes the prompt and generates
+    nothing (scoring a prompt through its ``prompt_logprobs``).
     """
 
     n: int = 1
@@ -69,6 +72,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -86,8 +90,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or not 1 <= self.n <= 128:
             raise bad("n", "must be an integer in [1, 128]")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise bad("max_tokens", "must be an integer >= 0")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -113,9 +117,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be a number in [-2, 2]")
-        lp = self.logprobs
-        if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
+                raise bad(name, "must be an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -151,6 +156,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With ``prompt_logprobs`` asked for: per prompt position, ``{prompt token: logprob,
+    top_1: logprob, ...}`` (the prompt token first); None at position 0."""
 
 
 @dataclass(slots=True)
@@ -178,6 +186,9 @@ class RequestDelta:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """The prompt positions whose logprobs became known this step (``RequestOutput``'s
+    ``prompt_logprobs``, in order, each sent once); None when there are none."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,6 +280,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[list[int], list[float]] | None] | None = None
     """Per request: token ids ``[sampled, top_1, ..., top_N]`` and their log-probabilities."""
+    prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]]]] | None = None
+    """Requests that asked for prompt logprobs and computed prompt tokens this step (sampling
+    or not): ``(first, ids, logprobs)``, where row ``i`` is prompt position ``first + i`` (>= 1):
+    ids ``[prompt token, top_1, ..., top_N]`` and their log-probabilities."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,7 +350,7 @@ class StepFrame:
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
-    VERSION = 1
+    VERSION = 2
     HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
     STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
     STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop

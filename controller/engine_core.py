@@ -55,6 +55,7 @@ class _Group:
     request_id: str
     seqs: list[Request]
     parent: Request | None
+    num_emitted_prompt_logprobs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -67,9 +68,18 @@ class _Group:
 
     def delta(self) -> RequestDelta | None:
         comps = [d for s in self.seqs if (d := take_delta(s)) is not None]
-        if not comps:
+        # Every sequence of the group (and its fork parent) shares one prompt-logprobs list.
+        lps = self.seqs[0].prompt_logprobs
+        new_lps = None
+        if lps is not None and len(lps) > self.num_emitted_prompt_logprobs:
+            new_lps = lps[self.num_emitted_prompt_logprobs :]
+            self.num_emitted_prompt_logprobs = len(lps)
+        if not comps and new_lps is None:
             return None
-        return RequestDelta(self.request_id, comps, self.finished, self.num_cached_tokens)
+        return RequestDelta(
+            self.request_id, comps, self.finished, self.num_cached_tokens,
+            prompt_logprobs=new_lps,
+        )
 
 
 class EngineCore:

@@ -92,6 +92,10 @@ class OutputAccumulator:
             c.finish_reason = d.finish_reason
             c.stop_reason = d.stop_reason
             c.cumulative_logprob = d.cumulative_logprob
+        if delta.prompt_logprobs is not None:
+            if out.prompt_logprobs is None:
+                out.prompt_logprobs = []
+            out.prompt_logprobs.extend(delta.prompt_logprobs)
         if delta.error is not None:
             for c in out.outputs:
                 c.finish_reason = c.finish_reason or "error"

@@ -90,6 +90,13 @@ class Request:
             [] if sampling_params.logprobs is not None else None
         )
         self.cumulative_logprob: float | None = 0.0 if self.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
+        """Per prompt position (None at 0), as far as computed. A fork parent shares this list
+        with its children: the prompt's logprobs belong to the user request, once."""
+        for child in self.children:
+            child.prompt_logprobs = self.prompt_logprobs
         self.num_sent_tokens = 0
         """How many of ``all_token_ids`` the workers hold; 0 while they do not know the request
         (never scheduled, or dropped on preemption)."""
@@ -119,6 +126,13 @@ class Request:
     def compute_limit(self) -> int:
         """The token count the scheduler catches ``num_computed_tokens`` up to."""
         return self.num_tokens - 1 if self.children else self.num_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are not computed yet: the prompt must be
+        computed from its start, not taken from the prefix cache."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -183,6 +197,22 @@ class Request:
         self.logprobs.append(dict(zip(token_ids, logprobs, strict=True)))
         assert self.cumulative_logprob is not None
         self.cumulative_logprob += logprobs[0]
+
+    def record_prompt_logprobs(
+        self, first: int, token_ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]]
+    ) -> bool:
+        """Keep the worker's prompt logprobs of positions ``first, first + 1, ...`` (rows of
+        ``[prompt token, top_1, ...]``). Positions already known (computed again after a
+        preemption, or by another sequence of the same request) are skipped. True if any was
+        new."""
+        lps = self.prompt_logprobs
+        if lps is None:
+            return False
+        before = len(lps)
+        for pos, (ids, values) in enumerate(zip(token_ids, logprobs, strict=True), start=first):
+            if pos == len(lps) and pos < self.num_prompt_tokens:
+                lps.append(dict(zip(ids, values, strict=True)))
+        return len(lps) > before
 
     def _check_stop_strings(self, old_len: int) -> bool:
         """Truncate at the first stop string that ends in the new text; True if one did."""

@@ -197,7 +197,13 @@ class Scheduler:
             need_seats = max(1, len(req.children))
             if seats + need_seats > self.max_num_seqs:
                 break
-            hit_blocks, hit = self.kv.get_computed_blocks(req)
+            hit_blocks: KVCacheBlocks | None = None
+            hit = 0
+            # Prompt positions served from the cache are never computed, so their logprobs
+            # would be lost: such a request computes its whole prompt (its blocks still get
+            # cached for others).
+            if not req.needs_prompt_logprobs:
+                hit_blocks, hit = self.kv.get_computed_blocks(req)
             if req.children and hit >= req.compute_limit:
                 # The cache already holds the parent's whole share: the children hit it alone.
                 self.waiting.popleft()
@@ -299,9 +305,15 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Append sampled tokens, apply stop conditions, free finished requests and fork
-        parents that are ready. Returns the requests that got a token or finished."""
+        """Record prompt logprobs, append sampled tokens, apply stop conditions, free finished
+        requests and fork parents that are ready. Returns the requests that got a token, new
+        prompt logprobs or finished (a request may appear twice)."""
         progressed: list[Request] = []
+        for rid, (first, ids, lps) in (runner_output.prompt_logprobs or {}).items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                if req.record_prompt_logprobs(first, ids, lps):
+                    progressed.append(req)
         logprobs = runner_output.logprobs
         for j, (rid, token) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
@@ -313,9 +325,13 @@ class Scheduler:
                 continue
             if req.num_computed_tokens != req.num_tokens:
                 continue
-            req.append_output_token_id(token, self.eos_token_ids, self.max_model_len)
-            if logprobs is not None and logprobs[j] is not None:
-                req.record_logprobs(*logprobs[j])
+            if req.sampling_params.max_tokens == 0:
+                # Prompt only (scoring): the sample is dropped.
+                req.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
+            else:
+                req.append_output_token_id(token, self.eos_token_ids, self.max_model_len)
+                if logprobs is not None and logprobs[j] is not None:
+                    req.record_logprobs(*logprobs[j])
             progressed.append(req)
             if req.is_finished:
                 self.requests.pop(rid, None)

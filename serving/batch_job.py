@@ -9,7 +9,10 @@ truncated last record is cut off first) and does only the rest.
 
 A line that cannot be served (bad JSON, no prompt, an invalid sampling value, a prompt that is
 too long or has out-of-vocabulary ids) becomes an error record carrying its line number; the
-job goes on. The exit status is the number of failed lines (capped at 125), 0 when none failed.
+job goes on. A line with ``prompt_logprobs: N`` gets the prompt's log-probabilities in its
+record (``prompt_logprobs``: null for the first token, then ``{token_id, logprob,
+top_logprobs: [[id, logprob], ...]}`` per prompt token). The exit status is the number of
+failed lines (capped at 125), 0 when none failed.
 Requests the engine could not finish because it died are *not* written, so a rerun retries them.
 
 The job talks to the engine only through ``EngineClient``; the command around it is
@@ -43,11 +46,12 @@ __all__ = ["JobSummary", "LineError", "run_job"]
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "ignore_eos",
     "min_tokens", "min_p", "stop_token_ids", "repetition_penalty", "presence_penalty",
-    "frequency_penalty",
+    "frequency_penalty", "prompt_logprobs",
 )
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 OTHER_FIELDS = ("id", "cache_salt", "metadata")
 MAX_EXIT_STATUS = 125  # 126 and up mean "not executable" / "killed by a signal" to shells
+MIN_LOGPROB = -9999.0  # -inf is not JSON
 
 
 class LineError(ValueError):
@@ -247,9 +251,26 @@ def result_record(item: _Item, out: RequestOutput) -> dict[str, Any]:
         "total_tokens": len(item.token_ids) + completion_tokens,
         "cached_tokens": out.num_cached_tokens,
     }
+    if out.prompt_logprobs is not None:
+        num = item.params.prompt_logprobs or 0
+        rec["prompt_logprobs"] = [_prompt_entry(e, num) for e in out.prompt_logprobs]
     if item.metadata is not None:
         rec["metadata"] = item.metadata
     return rec
+
+
+def _prompt_entry(entry: dict[int, float] | None, num: int) -> dict[str, Any] | None:
+    """One prompt position in a record: the prompt token's id and logprob, and the ``num``
+    most likely tokens as ``[id, logprob]`` pairs, most likely first (None at position 0)."""
+    if entry is None:
+        return None
+    token_id, logprob = next(iter(entry.items()))
+    top = sorted(entry.items(), key=lambda kv: -kv[1])[:num]
+    return {
+        "token_id": token_id,
+        "logprob": max(logprob, MIN_LOGPROB),
+        "top_logprobs": [[t, max(v, MIN_LOGPROB)] for t, v in top],
+    }
 
 
 def error_record(lineno: int, rid: Any, exc: BaseException, metadata: Any = None) -> dict[str, Any]:

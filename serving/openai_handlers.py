@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +66,12 @@ class Endpoint:
         choices: list[dict[str, Any]] = []
         for i, sub in enumerate(self.run.subs):
             assert sub.latest is not None
-            prefix = (sub.prompt.text or "") if self.echo else ""
+            prefix = self._echo_text(i) if self.echo else ""
+            prompt = self._echo_logprobs(i)
             for comp in sub.latest.outputs:
-                choices.append(self._choice(i, comp, prefix + comp.text, comp.logprobs or []))
+                choices.append(
+                    self._choice(i, comp, prefix + comp.text, comp.logprobs or [], prompt)
+                )
         return {
             "id": self.request_id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -79,7 +82,12 @@ class Endpoint:
         }
 
     def _choice(
-        self, sub_index: int, comp: CompletionOutput, text: str, logprobs: list[dict[int, float]]
+        self,
+        sub_index: int,
+        comp: CompletionOutput,
+        text: str,
+        logprobs: list[dict[int, float]],
+        prompt: list[tuple[int, dict[int, float] | None]],
     ) -> dict[str, Any]:
         n = self.run.params.n
         choice: dict[str, Any] = {"index": sub_index * n + comp.index}
@@ -87,7 +95,9 @@ class Endpoint:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = self._logprobs(logprobs, 0) if self.top_n is not None else None
+        choice["logprobs"] = (
+            self._logprobs(logprobs, 0, prompt) if self.top_n is not None else None
+        )
         choice["finish_reason"] = comp.finish_reason
         choice["stop_reason"] = comp.stop_reason
         return choice
@@ -103,7 +113,31 @@ class Endpoint:
             "total_tokens": prompt + completion,
         }
 
-    def _logprobs(self, entries: list[dict[int, float]], text_offset: int) -> dict[str, Any]:
+    def _echo_text(self, sub_index: int) -> str:
+        """The prompt as echoed: its text, or its token ids decoded."""
+        prompt = self.run.subs[sub_index].prompt
+        if prompt.text is not None:
+            return prompt.text
+        tok = self.client.tokenizer
+        return tok.decode(prompt.token_ids, skip_special_tokens=False) if tok is not None else ""
+
+    def _echo_logprobs(self, sub_index: int) -> list[tuple[int, dict[int, float] | None]]:
+        """(token id, its entry) per prompt token when echo asks for logprobs (the first
+        token's entry is None), else nothing."""
+        if not self.echo or self.top_n is None:
+            return []
+        sub = self.run.subs[sub_index]
+        lps = sub.acc.output.prompt_logprobs or []
+        return [(t, lps[p] if p < len(lps) else None) for p, t in enumerate(sub.prompt.token_ids)]
+
+    def _logprobs(
+        self,
+        entries: list[dict[int, float]],
+        text_offset: int,
+        prompt: Sequence[tuple[int, dict[int, float] | None]] = (),
+    ) -> dict[str, Any]:
+        """The choice's ``logprobs``; a completion's ``prompt`` tokens (echo) come first, with
+        null where a position has no logprob (the first)."""
         num = self.top_n or 0
         if self.chat:
             content = []
@@ -120,15 +154,20 @@ class Endpoint:
                 })
             return {"content": content}
         tokens: list[str] = []
-        token_logprobs: list[float] = []
-        tops: list[dict[str, float]] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
-        for entry in entries:
-            tid, lp, top = top_entries(entry, num)
-            s = token_text(self.client, tid)
+        items = [*prompt, *((next(iter(e)), e) for e in entries)]
+        for token_id, item in items:
+            s = token_text(self.client, token_id)
+            if item is None:
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                _, lp, top = top_entries(item, num)
+                token_logprobs.append(lp)
+                tops.append({token_text(self.client, t): v for t, v in top})
             tokens.append(s)
-            token_logprobs.append(lp)
-            tops.append({token_text(self.client, t): v for t, v in top})
             offsets.append(text_offset)
             text_offset += len(s)
         return {
@@ -175,11 +214,15 @@ class Endpoint:
             return None
         finished = d.finish_reason is not None
         text = d.text
+        prompt: list[tuple[int, dict[int, float] | None]] = []
         if not sent.started and self.echo:
-            text = (self.run.subs[sub_index].prompt.text or "") + text
+            # The first chunk of a completion: the prompt, and with logprobs the prompt's
+            # (complete by now: the first token is sampled after the whole prompt).
+            text = self._echo_text(sub_index) + text
+            prompt = self._echo_logprobs(sub_index)
         sent.started = True
         entries = d.logprobs or []
-        if not text and not entries and not finished:
+        if not text and not entries and not prompt and not finished:
             return None
         sent.finished = finished
         choice: dict[str, Any] = {"index": sub_index * self.run.params.n + d.index}
@@ -189,7 +232,7 @@ class Endpoint:
             choice["text"] = text
         logprobs = None
         if self.top_n is not None:
-            logprobs = self._logprobs(entries, sent.offset)
+            logprobs = self._logprobs(entries, sent.offset, prompt)
             sent.offset += sum(len(t) for t in logprobs.get("tokens", []))
         choice["logprobs"] = logprobs
         choice["finish_reason"] = d.finish_reason
@@ -258,8 +301,20 @@ def _sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     names: dict[str, str],
+    *,
+    echo: bool = False,
 ) -> SamplingParams:
+    """``echo`` (completions): the prompt's logprobs go with the completion's, and
+    ``max_tokens`` 0 asks for the prompt alone (scoring it)."""
+    if max_tokens == 0 and not echo:
+        param = names.get("max_tokens", "max_tokens")
+        raise APIError(
+            400, f"{param} must be at least 1 (0, the prompt alone, needs echo on "
+            "/v1/completions)", param=param,
+        )
     kw: dict[str, Any] = {"n": body.n, "max_tokens": max_tokens, "logprobs": logprobs}
+    if echo and logprobs is not None:
+        kw["prompt_logprobs"] = logprobs
     for name in _PASSTHROUGH:
         value = getattr(body, name)
         if value is not None:
@@ -280,7 +335,8 @@ def _check_context(
 ) -> None:
     limit = client.max_model_len
     for p in prompts:
-        if len(p.token_ids) >= limit:
+        # A prompt alone (max_tokens 0, echo) may fill the context; otherwise leave room.
+        if len(p.token_ids) > limit or (len(p.token_ids) == limit and max_tokens != 0):
             raise APIError(
                 400, f"this model's maximum context length is {limit} tokens, and the prompt "
                 f"has {len(p.token_ids)}: no room is left to generate",
@@ -321,10 +377,8 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> End
         raise _unsupported("best_of", "best_of other than n")
     if body.logit_bias:
         raise _unsupported("logit_bias", "logit_bias")
-    if body.echo and body.logprobs is not None:
-        raise _unsupported("echo", "echo with logprobs (prompt logprobs)")
     prompts = _completion_prompts(client, body.prompt)
-    params = _sampling_params(body, body.max_tokens, body.logprobs, {})
+    params = _sampling_params(body, body.max_tokens, body.logprobs, {}, echo=body.echo)
     _check_context(client, prompts, body.max_tokens, "prompt", "max_tokens")
     request_id, run = _new_run(ctx, "cmpl", prompts, params, body.cache_salt)
     await _start(run, "prompt")

@@ -8,6 +8,7 @@ from pagedserve.messages import (
     MessageDecodeError,
     ModelRunnerOutput,
     NewRequestData,
+    RequestDelta,
     SamplingParams,
     SamplingParamsError,
     SchedulerOutput,
@@ -32,7 +33,9 @@ def _decode_step(n: int) -> SchedulerOutput:
 
 
 def test_round_trip_every_field() -> None:
-    sp = SamplingParams(n=2, temperature=0.7, top_k=5, stop=["\n\n"], seed=7, logprobs=3)
+    sp = SamplingParams(
+        n=2, temperature=0.7, top_k=5, stop=["\n\n"], seed=7, logprobs=3, prompt_logprobs=2
+    )
     out = SchedulerOutput(
         step_id=3,
         new_reqs=[NewRequestData("a", [1, 2, 3], [], sp, [[5, 6], [7]], 0)],
@@ -52,6 +55,11 @@ def test_round_trip_every_field() -> None:
     back_mro = decode(encode(mro))
     assert back_mro.req_ids == ["a"] and back_mro.sampled_token_ids == [42]
     assert [list(x) for x in back_mro.logprobs[0]] == [[42, 7], [-0.1, -2.5]]
+    mro.prompt_logprobs = {"a": (1, [[2, 9], [3, 9]], [[-1.5, -0.5], [-2.0, -0.5]])}
+    first, ids, lps = decode(encode(mro)).prompt_logprobs["a"]
+    assert (first, ids, lps) == (1, [[2, 9], [3, 9]], [[-1.5, -0.5], [-2.0, -0.5]])
+    delta = RequestDelta("r", [], prompt_logprobs=[None, {2: -1.5, 9: -0.5}])
+    assert decode(encode(delta)).prompt_logprobs == [None, {2: -1.5, 9: -0.5}]
 
 
 def test_decode_step_of_256_requests_is_small() -> None:
@@ -97,7 +105,7 @@ def test_unregistered_objects_are_not_encoded() -> None:
     ("kwargs", "field"),
     [
         ({"n": 0}, "n"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
@@ -109,6 +117,9 @@ def test_unregistered_objects_are_not_encoded() -> None:
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"logprobs": 50}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"max_tokens": "10"}, "max_tokens"),
     ],

@@ -6,7 +6,9 @@ The runner owns the persistent ``InputBatch`` and block tables. Each step it:
 2. runs copy-on-write block copies;
 3. builds positions, ``cu_seqlens_q``, ``seq_lens`` and per-group slot mappings for the rows
    with scheduled tokens;
-4. runs the model, projects only each sampling row's last hidden state to logits, samples.
+4. runs the model, projects only each sampling row's last hidden state to logits, samples;
+5. for requests that asked for prompt logprobs, projects the hidden states of the prompt
+   positions computed this step too, and reports each next prompt token's log-probability.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from pagedserve.workers.context import AttentionMetadata, ForwardContext, forwar
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
 from pagedserve.workers.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+PROMPT_LOGITS_BYTES = 1 << 28
+"""At most this many bytes of float32 logits at once when scoring a chunk's prompt tokens."""
 
 
 class ModelRunner:
@@ -110,6 +115,7 @@ class ModelRunner:
         with forward_context(ctx):
             hidden = self.model(to_dev(input_ids), to_dev(positions))  # [T, hidden]
         batch.num_computed_tokens[rows_np] = seq_lens
+        out.prompt_logprobs = self._prompt_logprobs(rows_np, start, counts, cu, hidden)
 
         sample_rows = rows_np[sample_mask]
         if len(sample_rows) == 0:
@@ -122,6 +128,66 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, last))  # [N, V]
         result = self.sampler(logits, self._sampling_metadata(sample_rows))
         return self._output(out, sample_rows, result)
+
+    def _prompt_logprobs(
+        self,
+        rows: np.ndarray,
+        start: np.ndarray,
+        counts: np.ndarray,
+        cu: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> dict[str, tuple[int, list[list[int]], list[list[float]]]] | None:
+        """Log-probabilities of the prompt tokens whose predecessors were computed this step.
+
+        The logits of position ``q`` score prompt token ``q + 1``, so a chunk over positions
+        ``[lo, hi)`` yields prompt positions ``lo + 1 ..`` up to the last prompt token; the logits
+        of the last prompt position are the sampler's. Float32 log-softmax of the raw logits
+        (no temperature or penalties), like the sampled tokens' logprobs. Every rank runs this
+        (``compute_logits`` gathers over the tensor-parallel group); the output rank reports it.
+        """
+        b = self.batch
+        picks: list[tuple[str, int, int, int, int]] = []  # (req id, row, lo, flat index, n)
+        widths: list[int] = []  # 1 + top alternatives, per pick
+        for i, r in enumerate(rows):
+            p = b.params[r]
+            num_prompt = int(b.num_prompt_tokens[r])
+            # A row that already holds output tokens was resumed after its prompt was done.
+            if p is None or p.prompt_logprobs is None or b.num_tokens[r] != num_prompt:
+                continue
+            lo = int(start[i])
+            hi = min(lo + int(counts[i]), num_prompt - 1)
+            rid = b.req_ids[r]
+            if hi > lo and rid is not None:
+                picks.append((rid, int(r), lo, int(cu[i]), hi - lo))
+                widths.append(1 + p.prompt_logprobs)
+        if not picks:
+            return None
+        flat = np.concatenate([np.arange(f, f + n) for *_, f, n in picks])
+        targets = np.concatenate([b.token_ids[r, lo + 1 : lo + 1 + n] for _, r, lo, _, n in picks])
+        flat_dev, targets_dev = self._to_device(flat), self._to_device(targets)
+        k = max(widths) - 1
+        # Bound the [rows, vocab] float32 logits of a long prompt chunk.
+        step = max(1, PROMPT_LOGITS_BYTES // (4 * max(1, b.vocab_size)))
+        ids_rows: list[list[int]] = []
+        lp_rows: list[list[float]] = []
+        for s in range(0, len(flat), step):
+            logits = self.model.compute_logits(hidden.index_select(0, flat_dev[s : s + step]))
+            lp = logits.log_softmax(-1)
+            ids = targets_dev[s : s + step].unsqueeze(1)
+            if k:
+                ids = torch.cat([ids, lp.topk(k, dim=-1).indices], dim=1)
+            ids_rows.extend(ids.tolist())
+            lp_rows.extend(lp.gather(1, ids).tolist())
+        result: dict[str, tuple[int, list[list[int]], list[list[float]]]] = {}
+        at = 0
+        for (rid, _, lo, _, n), width in zip(picks, widths, strict=True):
+            result[rid] = (
+                lo + 1,
+                [row[:width] for row in ids_rows[at : at + n]],
+                [row[:width] for row in lp_rows[at : at + n]],
+            )
+            at += n
+        return result
 
     def _to_device(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
