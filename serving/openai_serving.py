@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -33,9 +32,8 @@ from pagedserve.serving.metrics import ServerMetrics
 
 __all__ = ["APIError", "ClientGone", "EngineRun", "Prompt", "ServerContext", "token_text"]
 
-# Threads that wait in ``add_request`` (it returns once the engine has validated the request,
-# up to one engine step later); enough that a burst of arrivals is admitted in one step.
-SUBMIT_THREADS = 64
+# How long an add may wait for the engine's verdict (it comes within one engine step).
+ADD_TIMEOUT_S = 120.0
 
 # Logprobs of -inf cannot travel in JSON.
 _MIN_LOGPROB = -9999.0
@@ -85,9 +83,6 @@ class ServerContext:
 
     client: EngineClient
     metrics: ServerMetrics
-    submit_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(SUBMIT_THREADS, "pagedserve-submit")
-    )
 
 
 @dataclass(slots=True)
@@ -122,7 +117,6 @@ class EngineRun:
     ) -> None:
         self.client = ctx.client
         self.metrics = ctx.metrics
-        self._pool = ctx.submit_pool
         self.params = params
         self.cache_salt = cache_salt
         self.arrival = time.monotonic()
@@ -140,11 +134,15 @@ class EngineRun:
         try:
             for i, sub in enumerate(self.subs):
                 sub.submitted = True  # before the call: aborting an unknown id is harmless
-                # add_request may wait for the engine thread; keep the event loop free.
                 req = AddRequest(sub.request_id, sub.prompt.token_ids, self.params,
                                  sub.prompt.text, self.cache_salt)
-                add = partial(self.client.add_request, req, partial(self._from_engine, loop, i))
-                await loop.run_in_executor(self._pool, add)
+                # The verdict comes as a future: awaited here, no thread waits for it.
+                fut = self.client.submit(req, partial(self._from_engine, loop, i))
+                try:
+                    await asyncio.wait_for(asyncio.wrap_future(fut), ADD_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    raise engine_unavailable(
+                        f"the engine did not answer within {ADD_TIMEOUT_S:.0f} s") from None
                 self.metrics.prompt_tokens.inc(len(sub.prompt.token_ids))
         except BaseException:
             self.abort()

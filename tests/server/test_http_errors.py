@@ -183,7 +183,7 @@ class OverloadedClient(DeadClient):
     def __init__(self) -> None:
         super().__init__(True)
 
-    def add_request(self, request, sink) -> None:
+    def submit(self, request, sink):
         raise EngineOverloadedError("the engine holds 2 requests (max_pending_requests)")
 
     def stats(self) -> dict[str, Any]:
