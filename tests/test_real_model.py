@@ -151,3 +151,50 @@ def test_generate_command_answers_a_chat_question(real_model_cache, capsys, monk
     out = capsys.readouterr().out
     assert "--- prompt: 'What is the capital of France?' [0] (8 tokens, stop)" in out
     assert "The capital of France is Paris." in out
+
+
+def test_batch_job_on_the_real_model_equals_transformers(hf, llm, tmp_path) -> None:
+    import json
+
+    from pagedserve.serving.batch_job import run_job
+
+    model, tokenizer = hf
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with open(inp, "w", encoding="utf-8") as f:
+        for i, q in enumerate(QUESTIONS[:2]):
+            f.write(json.dumps({"id": f"q{i}", "messages": user_turn(q)}) + "\n")
+    summary = run_job(llm.client, str(inp), str(out), {"max_tokens": MAX_TOKENS,
+                                                       "temperature": 0.0}, progress=False)
+    assert summary.succeeded == 2 and summary.failed == 0
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for i, q in enumerate(QUESTIONS[:2]):
+        prompt = _template_ids(tokenizer, user_turn(q))
+        assert records[f"q{i}"]["token_ids"] == _hf_reply(model, prompt), q
+
+
+def test_server_chat_on_the_real_model_equals_transformers(hf, llm) -> None:
+    import asyncio
+
+    import httpx2 as httpx
+
+    from pagedserve.serving.api_server import build_app
+
+    model, tokenizer = hf
+    app = build_app(llm.client)
+    question = QUESTIONS[0]
+
+    async def ask() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as h:
+            body = {"messages": user_turn(question), "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0, "logprobs": True}
+            resp = await h.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+    answer = asyncio.run(ask())
+    choice = answer["choices"][0]
+    expected = _hf_reply(model, _template_ids(tokenizer, user_turn(question)))
+    assert choice["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert choice["finish_reason"] == "stop" and "Paris" in choice["message"]["content"]
+    assert answer["usage"]["completion_tokens"] == len(expected)
