@@ -3,7 +3,8 @@
 ``build_app(client)`` makes the ASGI app (testable without a socket); ``serve(config, ...)``
 starts an engine and runs the app under uvicorn until interrupted. Routes:
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-server-sent-event streaming), ``GET /health`` and ``GET /metrics`` (Prometheus). With an API key
+server-sent-event streaming), ``POST /tokenize`` and ``/detokenize`` (``tokenize_api``),
+``GET /health`` and ``GET /metrics`` (Prometheus). With an API key
 every route but ``/health`` needs ``Authorization: Bearer <key>``. Every error answers with the
 OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -34,6 +35,7 @@ from pagedserve.serving.openai_protocol import (
     ModelList,
 )
 from pagedserve.serving.openai_serving import APIError, ClientGone, EngineRun, ServerContext
+from pagedserve.serving.tokenize_api import tokenize_router
 
 __all__ = ["build_app", "serve"]
 
@@ -158,6 +160,7 @@ def build_app(client: EngineClient, *, api_key: str | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _answer(await prepare_chat(ctx, body), raw)
 
+    app.include_router(tokenize_router(client))
     return app
 
 
