@@ -10,8 +10,9 @@ coalesced into one event), feeds the metrics, and wakes whoever is waiting.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,7 +31,16 @@ from pagedserve.controller.outputs import OutputAccumulator
 from pagedserve.messages import AddRequest, RequestDelta, RequestOutput, SamplingParams
 from pagedserve.serving.metrics import ServerMetrics
 
-__all__ = ["APIError", "ClientGone", "EngineRun", "Prompt", "ServerContext", "token_text"]
+__all__ = [
+    "APIError",
+    "ClientGone",
+    "EngineRun",
+    "InFlight",
+    "Prompt",
+    "ServerContext",
+    "token_text",
+    "validation_error",
+]
 
 # Threads that wait in ``add_request`` (it returns once the engine has validated the request,
 # up to one engine step later); enough that a burst of arrivals is admitted in one step.
@@ -74,8 +84,53 @@ def engine_unavailable(reason: str = "the engine is not running") -> APIError:
     return APIError(503, reason, type="service_unavailable_error", code="engine_unavailable")
 
 
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The 400 answer to a body that failed pydantic validation (pydantic's ``errors()``)."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('msg', '')}")
+    where = ".".join(loc) or "body"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    message = f"{where}: {first.get('msg', 'invalid value')}{more}"
+    return APIError(400, message, param=loc[0] if loc else None)
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
+
+
+class InFlight:
+    """A thread-safe count of calls in progress; ``on_idle`` callbacks run when it drops to 0.
+
+    The server counts its interactive calls (``/v1/completions``, ``/v1/chat/completions``)
+    here, from arrival until the answer or stream is over; the batch runner reads it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._on_idle: list[Callable[[], None]] = []
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def enter(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._count -= 1
+            idle = self._count == 0
+        if idle:
+            for callback in list(self._on_idle):
+                callback()
+
+    def on_idle(self, callback: Callable[[], None]) -> None:
+        self._on_idle.append(callback)
 
 
 @dataclass
@@ -87,6 +142,8 @@ class ServerContext:
     submit_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(SUBMIT_THREADS, "pagedserve-submit")
     )
+    interactive: InFlight = field(default_factory=InFlight)
+    """Interactive API calls in progress (the Batch API's lines are not counted)."""
 
 
 @dataclass(slots=True)
@@ -164,7 +221,10 @@ class EngineRun:
         self, loop: asyncio.AbstractEventLoop, index: int, delta: RequestDelta
     ) -> None:
         """The sink: runs on a client thread, so only hop onto the loop."""
-        loop.call_soon_threadsafe(self._on_output, index, delta)
+        try:
+            loop.call_soon_threadsafe(self._on_output, index, delta)
+        except RuntimeError:  # the loop is closed: nobody is waiting for this any more
+            pass
 
     def _on_output(self, index: int, delta: RequestDelta) -> None:
         sub = self.subs[index]
