@@ -99,6 +99,7 @@ def build_app(
     app.state.client = client
     app.state.metrics = metrics
     app.state.context = ctx
+    metrics.interactive_in_flight.set_function(lambda: ctx.interactive.count)
 
     # ------------------------------------------------------------------------- errors
     @app.exception_handler(APIError)
@@ -175,6 +176,7 @@ def build_app(
 
         runner = BatchRunner(BatchStore(batch_dir), ctx, max_in_flight=batch_max_in_flight)
         app.include_router(batch_router(runner))
+        metrics.batch_in_flight.set_function(lambda: runner.in_flight)
         app.state.batches = runner
         runner.start()
     return app

@@ -162,6 +162,7 @@ class _Sub:
     submitted: bool = False
     done: bool = False
     first_token_time: float | None = None
+    last_token_time: float = 0.0
     counted_tokens: int = 0
 
 
@@ -237,6 +238,12 @@ class EngineRun:
         if ntok > sub.counted_tokens:
             self.metrics.generation_tokens.inc(ntok - sub.counted_tokens)
             sub.counted_tokens = ntok
+        steps = max((len(d.token_ids) for d in delta.completions), default=0)
+        if steps and sub.first_token_time is not None:  # inter-token latency, per token
+            for _ in range(steps):
+                self.metrics.itl.observe((now - sub.last_token_time) / steps)
+        if steps:
+            sub.last_token_time = now
         if sub.first_token_time is None and ntok > 0:
             sub.first_token_time = now
             self.metrics.ttft.observe(now - self.arrival)
