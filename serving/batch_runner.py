@@ -14,7 +14,9 @@ rejects gets the endpoint's error (with its status) in the error file.
    server or another front end of the engine, is queued for admission).
 
 Lines already in the engine run to their end. So an interactive request shares the engine with
-at most ``max_in_flight`` batch lines, and no new line starts until it is answered.
+at most ``max_in_flight`` batch lines, and no new line starts until it is answered (but the one
+the runner had already let in as it arrived). The priority is strict: under unbroken
+interactive load a batch waits.
 
 Malformed lines (bad JSON, no ``custom_id``, a repeated ``custom_id``, a wrong ``method`` or
 ``url``, a body that is not an object) get an error record (``response: null``, ``error:
@@ -357,8 +359,10 @@ class BatchRunner:
         else:
             return
         del self._jobs[job.id]
-        job.out.close()
-        job.err.close()
+        for records in (job.out, job.err):
+            records.close()
+            if not records.count:  # not registered as a file: leave nothing behind
+                records.path.unlink(missing_ok=True)
 
     def _file_ids(self, job: _Job) -> dict[str, Any]:
         state = self.store.state(job.id)
