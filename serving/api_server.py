@@ -5,9 +5,9 @@ starts an engine and runs the app under uvicorn until interrupted. Routes:
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 server-sent-event streaming), ``POST /tokenize`` and ``/detokenize`` (``tokenize_api``), the
 Batch API when a batch directory is given (``batch_api``), ``GET /health`` and ``GET /metrics``
-(Prometheus). With an API key
-every route but ``/health`` needs ``Authorization: Bearer <key>``. Every error answers with the
-OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
+(Prometheus). With an API key every route but ``/health`` needs ``Authorization: Bearer
+<key>``. Every error answers with the OpenAI error body ``{"error": {"message", "type",
+"param", "code"}}``.
 """
 
 from __future__ import annotations

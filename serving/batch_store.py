@@ -137,8 +137,6 @@ class BatchStore:
         self.root = Path(root).expanduser()
         self.files_dir = self.root / "files"
         self.batches_dir = self.root / "batches"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.batches_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         for stale in [*self.files_dir.glob(".*.tmp"), *self.batches_dir.glob(".*.tmp")]:
             stale.unlink(missing_ok=True)
@@ -155,12 +153,18 @@ class BatchStore:
             except (OSError, ValueError):
                 logger.warning("ignoring the unreadable batch record %s", p)
 
+    def _make_dirs(self) -> None:
+        """Created on first use: a server whose Batch API is never used leaves no trace."""
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.batches_dir.mkdir(parents=True, exist_ok=True)
+
     # --------------------------------------------------------------------------- files
     def content_path(self, file_id: str) -> Path:
         return self.files_dir / f"{file_id}.jsonl"
 
     def upload_path(self) -> Path:
         """A fresh temporary path to receive an upload, for ``add_file``."""
+        self._make_dirs()
         return self.files_dir / f".upload-{uuid.uuid4().hex}.tmp"
 
     def add_file(
@@ -222,6 +226,7 @@ class BatchStore:
             "output_file_id": f"file-{uuid.uuid4().hex}",
             "error_file_id": f"file-{uuid.uuid4().hex}",
         }
+        self._make_dirs()
         with self._lock:
             self._batches[batch_id] = {"batch": batch, "state": state}
             self._persist(batch_id)

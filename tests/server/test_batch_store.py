@@ -100,9 +100,14 @@ def test_store_round_trips_through_a_restart(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-def test_default_dir_follows_xdg(monkeypatch, tmp_path: Path) -> None:
+def test_default_dir_follows_xdg_and_is_made_on_first_use(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert default_batch_dir() == tmp_path / "pagedserve" / "batches"
+    root = default_batch_dir()
+    assert root == tmp_path / "pagedserve" / "batches"
+    store = BatchStore(root)
+    assert not root.exists() and store.active_batches() == [] and store.list_files() == []
+    store.upload_path()
+    assert (root / "files").is_dir()
 
 
 def test_job_fields_maps_openai_lines() -> None:
