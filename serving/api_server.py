@@ -3,9 +3,11 @@
 ``build_app(client)`` makes the ASGI app (testable without a socket); ``serve(config, ...)``
 starts an engine and runs the app under uvicorn until interrupted. Routes:
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-server-sent-event streaming), ``GET /health`` and ``GET /metrics`` (Prometheus). With an API key
-every route but ``/health`` needs ``Authorization: Bearer <key>``. Every error answers with the
-OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
+server-sent-event streaming), ``POST /tokenize`` and ``/detokenize`` (``tokenize_api``), the
+Batch API when a batch directory is given (``batch_api``), ``GET /health`` and ``GET /metrics``
+(Prometheus). With an API key every route but ``/health`` needs ``Authorization: Bearer
+<key>``. Every error answers with the OpenAI error body ``{"error": {"message", "type",
+"param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,7 +37,14 @@ from pagedserve.serving.openai_protocol import (
     ModelCard,
     ModelList,
 )
-from pagedserve.serving.openai_serving import APIError, ClientGone, EngineRun, ServerContext
+from pagedserve.serving.openai_serving import (
+    APIError,
+    ClientGone,
+    EngineRun,
+    ServerContext,
+    validation_error,
+)
+from pagedserve.serving.tokenize_api import tokenize_router
 
 __all__ = ["build_app", "serve"]
 
@@ -50,37 +60,25 @@ class _EngineStream(StreamingResponse):
     requests still running, so their KV blocks are freed at once.
     """
 
-    def __init__(self, content: Any, run: EngineRun) -> None:
+    def __init__(self, content: Any, run: EngineRun, on_close: Callable[[], None]) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._run = run
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._run.abort()
+            self._on_close()
 
 
 def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request body", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('msg', '')}", None
-    param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return f"{where}: {first.get('msg', 'invalid value')}{more}", param
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -97,14 +95,26 @@ _ANSWERS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def build_app(client: EngineClient, *, api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving ``client``. Metrics live in a registry owned by this app."""
+def build_app(
+    client: EngineClient,
+    *,
+    api_key: str | None = None,
+    batch_dir: str | os.PathLike[str] | None = None,
+    batch_max_in_flight: int = 4,
+) -> FastAPI:
+    """The ASGI app serving ``client``. Metrics live in a registry owned by this app.
+
+    With ``batch_dir`` the Batch API (``/v1/files``, ``/v1/batches``) keeps its state there
+    and its runner starts at once, resuming unfinished batches; ``app.state.batches.close()``
+    stops it (``serve`` does).
+    """
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
     metrics = ServerMetrics(client)
     ctx = ServerContext(client, metrics)
     app.state.client = client
     app.state.metrics = metrics
     app.state.context = ctx
+    metrics.interactive_in_flight.set_function(lambda: ctx.interactive.count)
 
     # ------------------------------------------------------------------------- errors
     @app.exception_handler(APIError)
@@ -113,8 +123,7 @@ def build_app(client: EngineClient, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return _error(APIError(400, message, param=param))
+        return _error(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -173,24 +182,45 @@ def build_app(client: EngineClient, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions", responses=_ANSWERS)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _answer(await prepare_completion(ctx, body), raw)
+        return await _interactive(ctx, prepare_completion(ctx, body), raw)
 
     @app.post("/v1/chat/completions", responses=_ANSWERS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _answer(await prepare_chat(ctx, body), raw)
+        return await _interactive(ctx, prepare_chat(ctx, body), raw)
 
+    app.include_router(tokenize_router(client))
+    app.state.batches = None
+    if batch_dir is not None:
+        from pagedserve.serving.batch_api import batch_router
+        from pagedserve.serving.batch_runner import BatchRunner
+        from pagedserve.serving.batch_store import BatchStore
+
+        runner = BatchRunner(BatchStore(batch_dir), ctx, max_in_flight=batch_max_in_flight)
+        app.include_router(batch_router(runner))
+        metrics.batch_in_flight.set_function(lambda: runner.in_flight)
+        app.state.batches = runner
+        runner.start()
     return app
 
 
-async def _answer(endpoint: Endpoint, raw: Request) -> Response:
+async def _interactive(ctx: ServerContext, prepare: Awaitable[Endpoint], raw: Request) -> Response:
+    """Answer one interactive call, counted in ``ctx.interactive`` until its answer is over
+    (the batch runner holds its lines back meanwhile)."""
+    ctx.interactive.enter()
+    try:
+        endpoint = await prepare
+    except BaseException:
+        ctx.interactive.exit()
+        raise
     if endpoint.stream:
-        return _EngineStream(endpoint.stream_events(), endpoint.run)
+        return _EngineStream(endpoint.stream_events(), endpoint.run, ctx.interactive.exit)
     try:
         body = await endpoint.respond(raw.is_disconnected)
     except ClientGone:
         return Response(status_code=499)
     finally:
         endpoint.run.abort()  # a no-op when everything finished
+        ctx.interactive.exit()
     return JSONResponse(body)
 
 
@@ -202,19 +232,26 @@ def serve(
     *,
     backend: str | None = None,
     log_level: str = "info",
+    batch_dir: str | os.PathLike[str] | None = None,
+    batch_max_in_flight: int = 4,
 ) -> None:
     """Start an engine for ``config`` and serve it until interrupted, then shut it down.
 
     ``backend`` (``ray`` / ``local``) goes to ``builder.start_engine``; None takes its default.
+    ``batch_dir`` holds the Batch API's files and batches (None: no Batch API).
     """
     import uvicorn
 
     from pagedserve.builder import start_engine
 
     client = start_engine(config) if backend is None else start_engine(config, backend)
+    app = None
     try:
-        app = build_app(client, api_key=api_key)
+        app = build_app(client, api_key=api_key, batch_dir=batch_dir,
+                        batch_max_in_flight=batch_max_in_flight)
         logger.info("serving %s on http://%s:%d", client.model_name, host, port)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
+        if app is not None and app.state.batches is not None:
+            app.state.batches.close()  # in-flight lines are redone by the next start
         client.shutdown()

@@ -5,7 +5,10 @@ rendered through the tokenizer's chat template), an optional ``id`` (the 1-based
 otherwise) and optional sampling fields overriding the command-line defaults. Every line gets
 exactly one output record, appended and flushed the moment it is known, so a job that dies
 loses nothing: rerunning it with the same output file skips every id already written (a
-truncated last record is cut off first) and does only the rest.
+truncated last record is cut off first) and does only the rest. A line in the OpenAI Batch API's
+format (``custom_id``, ``method``, ``url``, ``body``) is accepted too: its ``custom_id`` is the
+id, its body's prompt or messages and sampling fields are the line's, and its records keep
+``custom_id``.
 
 A line that cannot be served (bad JSON, no prompt, an invalid sampling value, a prompt that is
 too long or has out-of-vocabulary ids) becomes an error record carrying its line number; the
@@ -36,6 +39,7 @@ from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.outputs import final_output_sink
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.messages import AddRequest, RequestOutput, SamplingParams, SamplingParamsError
+from pagedserve.serving.batch_lines import job_fields
 from pagedserve.serving.chat import ChatError, render_chat
 
 logger = logging.getLogger(__name__)
@@ -49,7 +53,7 @@ SAMPLING_FIELDS = (
     "frequency_penalty", "prompt_logprobs",
 )
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
-OTHER_FIELDS = ("id", "cache_salt", "metadata")
+OTHER_FIELDS = ("id", "cache_salt", "metadata", "custom_id")
 MAX_EXIT_STATUS = 125  # 126 and up mean "not executable" / "killed by a signal" to shells
 MIN_LOGPROB = -9999.0  # -inf is not JSON
 
@@ -112,6 +116,7 @@ class _Item:
     prompt: str | None
     cache_salt: str | None
     metadata: Any
+    custom_id: str | None = None
 
 
 def id_key(value: Any) -> str:
@@ -166,8 +171,9 @@ def _count_lines(path: str) -> int:
 
 
 def _line_id(lineno: int, obj: Any) -> Any:
-    if isinstance(obj, dict) and "id" in obj:
-        rid = obj["id"]
+    key = "custom_id" if isinstance(obj, dict) and "custom_id" in obj else "id"
+    if isinstance(obj, dict) and key in obj:
+        rid = obj[key]
         if isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool)):
             return rid
     return lineno
@@ -210,6 +216,11 @@ def parse_line(
         raise LineError(f"invalid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise LineError("a line must be a JSON object")
+    if "custom_id" in obj or "body" in obj:  # the OpenAI Batch API's line format
+        try:
+            obj = {**job_fields(obj), "custom_id": obj.get("custom_id")}
+        except ValueError as exc:
+            raise LineError(str(exc)) from exc
     unknown = sorted(set(obj) - set(SAMPLING_FIELDS) - set(PROMPT_FIELDS) - set(OTHER_FIELDS))
     if unknown:
         raise LineError(f"unknown field(s): {', '.join(unknown)}")
@@ -227,7 +238,8 @@ def parse_line(
         raise LineError(f"invalid sampling parameter {exc}") from exc
     except TypeError as exc:
         raise LineError(f"invalid sampling parameters: {exc}") from exc
-    return _Item(lineno, rid, id_key(rid), token_ids, params, prompt, salt, obj.get("metadata"))
+    return _Item(lineno, rid, id_key(rid), token_ids, params, prompt, salt, obj.get("metadata"),
+                 obj.get("custom_id"))
 
 
 def result_record(item: _Item, out: RequestOutput) -> dict[str, Any]:
@@ -235,6 +247,8 @@ def result_record(item: _Item, out: RequestOutput) -> dict[str, Any]:
     comps = sorted(out.outputs, key=lambda c: c.index)
     completion_tokens = sum(len(c.token_ids) for c in comps)
     rec: dict[str, Any] = {"id": item.id, "line": item.line}
+    if item.custom_id is not None:
+        rec["custom_id"] = item.custom_id
     if item.prompt is not None:
         rec["prompt"] = item.prompt
     first = comps[0]

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -117,6 +117,21 @@ class ServerMetrics:
             "Time from arrival to the last token.",
             buckets=_E2E_BUCKETS,
             registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two outputs of a request, per generated token.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        # Read at scrape time; the app points them at its counters (build_app).
+        self.interactive_in_flight = Gauge(
+            PREFIX + "interactive_requests_in_flight",
+            "Interactive API calls in progress (the Batch API's lines not counted).",
+            registry=r,
+        )
+        self.batch_in_flight = Gauge(
+            PREFIX + "batch_requests_in_flight", "Batch API lines in the engine.", registry=r
         )
 
     def render(self) -> bytes:

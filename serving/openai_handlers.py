@@ -23,7 +23,7 @@ from pagedserve.messages import (
     SamplingParams,
     SamplingParamsError,
 )
-from pagedserve.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.serving.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagedserve.serving.openai_serving import (
     APIError,
     EngineRun,
@@ -35,7 +35,7 @@ from pagedserve.serving.openai_serving import (
     top_entries,
 )
 
-__all__ = ["Endpoint", "prepare_chat", "prepare_completion"]
+__all__ = ["Endpoint", "prepare_chat", "prepare_completion", "render_chat"]
 
 # Request fields passed to SamplingParams unchanged when present.
 _PASSTHROUGH = (
@@ -102,15 +102,17 @@ class Endpoint:
         choice["stop_reason"] = comp.stop_reason
         return choice
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompt = sum(len(s.prompt.token_ids) for s in self.run.subs)
         completion = sum(
             len(c.token_ids) for s in self.run.subs if s.latest for c in s.latest.outputs
         )
+        cached = sum(s.latest.num_cached_tokens for s in self.run.subs if s.latest)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},  # prefix-cache hits, all prompts
         }
 
     def _echo_text(self, sub_index: int) -> str:
@@ -240,7 +242,7 @@ class Endpoint:
         return choice
 
     def _event(
-        self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+        self, obj: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
     ) -> str:
         chunk: dict[str, Any] = {
             "id": self.request_id, "object": obj, "created": self.created,
@@ -416,7 +418,7 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     names = {"logprobs": "top_logprobs", "max_tokens": max_param}
     params = _sampling_params(body, max_tokens, top_n, names)
-    prompt = _render_chat(client, body)
+    prompt = render_chat(client, body.messages)
     _check_context(client, [prompt], max_tokens, "messages", max_param)
     request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body.cache_salt)
     await _start(run, "messages")
@@ -426,18 +428,19 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
     )
 
 
-def _render_chat(client: EngineClient, body: ChatCompletionRequest) -> Prompt:
+def render_chat(client: EngineClient, chat: list[ChatMessage], add_prompt: bool = True) -> Prompt:
+    """A conversation through the chat template (``add_prompt``: open the assistant's turn)."""
     tok = client.tokenizer
     if tok is None:
         raise APIError(400, "chat needs a tokenizer with a chat template", param="messages")
-    messages: list[dict[str, Any]] = []
-    for m in body.messages:
+    msgs: list[dict[str, Any]] = []
+    for m in chat:
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             msg["name"] = m.name
-        messages.append(msg)
+        msgs.append(msg)
     try:
-        text = tok.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.hf.apply_chat_template(msgs, add_generation_prompt=add_prompt, tokenize=False)
     except Exception as exc:  # no template, or the template rejected the conversation
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
     # The template already holds the special tokens (BOS and so on).

@@ -22,6 +22,7 @@ __all__ = [
     "ErrorResponse",
     "ModelCard",
     "ModelList",
+    "PromptTokensDetails",
     "StreamOptions",
     "UsageInfo",
 ]
@@ -105,10 +106,16 @@ class ChatCompletionRequest(_SamplingFields):
 # ------------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (not computed again)."""
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ModelCard(BaseModel):

@@ -10,8 +10,9 @@ coalesced into one event), feeds the metrics, and wakes whoever is waiting.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -30,7 +31,16 @@ from pagedserve.controller.outputs import OutputAccumulator
 from pagedserve.messages import AddRequest, RequestDelta, RequestOutput, SamplingParams
 from pagedserve.serving.metrics import ServerMetrics
 
-__all__ = ["APIError", "ClientGone", "EngineRun", "Prompt", "ServerContext", "token_text"]
+__all__ = [
+    "APIError",
+    "ClientGone",
+    "EngineRun",
+    "InFlight",
+    "Prompt",
+    "ServerContext",
+    "token_text",
+    "validation_error",
+]
 
 # How long an add may wait for the engine's verdict (it comes within one engine step).
 ADD_TIMEOUT_S = 120.0
@@ -73,8 +83,53 @@ def engine_unavailable(reason: str = "the engine is not running") -> APIError:
     return APIError(503, reason, type="service_unavailable_error", code="engine_unavailable")
 
 
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The 400 answer to a body that failed pydantic validation (pydantic's ``errors()``)."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('msg', '')}")
+    where = ".".join(loc) or "body"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    message = f"{where}: {first.get('msg', 'invalid value')}{more}"
+    return APIError(400, message, param=loc[0] if loc else None)
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
+
+
+class InFlight:
+    """A thread-safe count of calls in progress; ``on_idle`` callbacks run when it drops to 0.
+
+    The server counts its interactive calls (``/v1/completions``, ``/v1/chat/completions``)
+    here, from arrival until the answer or stream is over; the batch runner reads it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._on_idle: list[Callable[[], None]] = []
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def enter(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._count -= 1
+            idle = self._count == 0
+        if idle:
+            for callback in list(self._on_idle):
+                callback()
+
+    def on_idle(self, callback: Callable[[], None]) -> None:
+        self._on_idle.append(callback)
 
 
 @dataclass
@@ -83,6 +138,8 @@ class ServerContext:
 
     client: EngineClient
     metrics: ServerMetrics
+    interactive: InFlight = field(default_factory=InFlight)
+    """Interactive API calls in progress (the Batch API's lines are not counted)."""
 
 
 @dataclass(slots=True)
@@ -101,6 +158,7 @@ class _Sub:
     submitted: bool = False
     done: bool = False
     first_token_time: float | None = None
+    last_token_time: float = 0.0
     counted_tokens: int = 0
 
 
@@ -163,7 +221,10 @@ class EngineRun:
         self, loop: asyncio.AbstractEventLoop, index: int, delta: RequestDelta
     ) -> None:
         """The sink: runs on a client thread, so only hop onto the loop."""
-        loop.call_soon_threadsafe(self._on_output, index, delta)
+        try:
+            loop.call_soon_threadsafe(self._on_output, index, delta)
+        except RuntimeError:  # the loop is closed: nobody is waiting for this any more
+            pass
 
     def _on_output(self, index: int, delta: RequestDelta) -> None:
         sub = self.subs[index]
@@ -176,6 +237,12 @@ class EngineRun:
         if ntok > sub.counted_tokens:
             self.metrics.generation_tokens.inc(ntok - sub.counted_tokens)
             sub.counted_tokens = ntok
+        steps = max((len(d.token_ids) for d in delta.completions), default=0)
+        if steps and sub.first_token_time is not None:  # inter-token latency, per token
+            for _ in range(steps):
+                self.metrics.itl.observe((now - sub.last_token_time) / steps)
+        if steps:
+            sub.last_token_time = now
         if sub.first_token_time is None and ntok > 0:
             sub.first_token_time = now
             self.metrics.ttft.observe(now - self.arrival)

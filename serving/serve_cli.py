@@ -24,12 +24,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve a checkpoint over the OpenAI API (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics).",
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, the Batch API under "
+        "/v1/files and /v1/batches, /health, /metrics).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--batch-dir", default=None,
+                   help="where the Batch API keeps its files and batches (default: "
+                        "$XDG_CACHE_HOME/pagedserve/batches, ~/.cache without it); unfinished "
+                        "batches found there resume when the server starts")
+    p.add_argument("--batch-max-in-flight", type=int, default=4,
+                   help="batch lines in the engine at once, at most; new lines start only "
+                        "while no interactive request is in progress or waiting (default 4)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(p)
@@ -41,8 +49,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.builder import resolve_model_dir
     from pagedserve.config import ConfigError, from_flat
     from pagedserve.serving.api_server import serve
+    from pagedserve.serving.batch_store import default_batch_dir
 
     logging.getLogger("pagedserve").setLevel(args.log_level.upper())
+    if args.batch_max_in_flight < 1:
+        print("pagedserve serve: --batch-max-in-flight must be >= 1", file=sys.stderr)
+        return 2
     if args.model is None:
         print("pagedserve: no --model given, serving the default model "
               "SmolLM2-135M-Instruct", file=sys.stderr)
@@ -55,7 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"pagedserve: serving on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         serve(config, args.host, args.port, args.api_key, backend=args.backend,
-              log_level=args.log_level)
+              log_level=args.log_level, batch_dir=args.batch_dir or default_batch_dir(),
+              batch_max_in_flight=args.batch_max_in_flight)
     except KeyboardInterrupt:
         pass
     return 0

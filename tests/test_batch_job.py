@@ -122,6 +122,38 @@ def test_per_line_overrides_and_chat(client, tmp_path: Path) -> None:
     assert len(by[3]["token_ids"]) == 5 and "error" not in by[3]
 
 
+def test_openai_batch_lines(client, tmp_path: Path) -> None:
+    """The Batch API's line format: custom_id is the id and stays in the record; a rerun
+    skips the custom_ids already written."""
+    messages = [{"role": "user", "content": "Hi!"}]
+    lines: list[Any] = [
+        {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "any", "prompt": "The lazy dog", "max_tokens": 3}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": messages, "max_completion_tokens": 4}},
+        {"custom_id": "ids", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [5, 6, 7]}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "again"}},
+    ]
+    inp = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    summary = run_job(client, str(inp), str(out), GREEDY, progress="none")
+    assert (summary.succeeded, summary.failed) == (3, 2)
+    recs = _records(out)
+    ok = {r["custom_id"]: r for r in recs if "error" not in r}
+    assert sorted(ok) == ["chat", "cmpl", "ids"] and all(r["id"] == k for k, r in ok.items())
+    assert len(ok["cmpl"]["token_ids"]) == 3 and ok["cmpl"]["prompt"] == "The lazy dog"
+    assert len(ok["chat"]["token_ids"]) == 4
+    assert len(ok["ids"]["token_ids"]) == GREEDY["max_tokens"]
+    errors = {r["line"]: r for r in recs if "error" in r}
+    assert errors[4]["id"] == "bad-url" and "url" in errors[4]["error"]
+    assert errors[5]["id"] == "cmpl" and "duplicate" in errors[5]["error"]
+    again = run_job(client, str(inp), str(out), GREEDY, progress="none")
+    assert again.skipped == 5 and again.succeeded == 0 and len(_records(out)) == 5
+
+
 def test_n_greater_than_one(client, tmp_path: Path) -> None:
     inp = _write(tmp_path / "in.jsonl", [
         {"id": "s", "prompt": "Once upon a time", "n": 3, "temperature": 1.0, "seed": 7},

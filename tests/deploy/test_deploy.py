@@ -168,8 +168,13 @@ def test_yaml_has_the_keys_its_kind_needs(path: Path) -> None:
             _check_k8s(where, doc)
         elif path.name.startswith("runtime_env"):
             _check_runtime_env(where, doc)
+        elif path.parent.name == "prometheus":  # Prometheus rule files
+            assert all(g["name"] and g["rules"] for g in doc["groups"]), where
+            for rule in (r for g in doc["groups"] for r in g["rules"]):
+                assert ("record" in rule or "alert" in rule) and rule["expr"], where
         else:
-            pytest.fail(f"{where}: not a cluster YAML, a Kubernetes object or a runtime_env")
+            pytest.fail(f"{where}: not a cluster YAML, a Kubernetes object, a runtime_env or "
+                        "Prometheus rules")
 
 
 def test_provider_kinds() -> None:
