@@ -29,7 +29,8 @@ from starlette.types import Receive, Scope, Send
 from pagedserve.config import EngineConfig
 from pagedserve.controller.client import EngineClient
 from pagedserve.serving.metrics import ServerMetrics
-from pagedserve.serving.openai_handlers import Endpoint, prepare_chat, prepare_completion
+from pagedserve.serving.openai_handlers import Endpoint
+from pagedserve.serving.openai_prepare import prepare_chat, prepare_completion
 from pagedserve.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,

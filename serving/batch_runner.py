@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from pagedserve.serving.batch_lines import LineTracker, input_lines, parse_line, record
 from pagedserve.serving.batch_store import BatchStore, RecordFile
-from pagedserve.serving.openai_handlers import prepare_chat, prepare_completion
+from pagedserve.serving.openai_prepare import prepare_chat, prepare_completion
 from pagedserve.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.serving.openai_serving import APIError, ServerContext, validation_error
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.serving.openai_handlers import render_chat
+from pagedserve.serving.openai_prepare import render_chat
 from pagedserve.serving.openai_protocol import ChatMessage
 from pagedserve.serving.openai_serving import APIError
 

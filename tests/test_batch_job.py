@@ -19,8 +19,9 @@ from helpers.checkpoints import make_checkpoint
 from pagedserve.builder import start_engine
 from pagedserve.config import from_flat
 from pagedserve.messages import SamplingParams
-from pagedserve.serving.batch_job import id_key, run_job
+from pagedserve.serving.batch_job import run_job
 from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
+from pagedserve.serving.job_lines import id_key
 
 MAX_MODEL_LEN = 96
 ENGINE = {"max_model_len": MAX_MODEL_LEN, "num_gpu_blocks": 128, "block_size": 16}

@@ -59,3 +59,20 @@ def test_no_import_cycles_between_modules() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_package_module_over_400_lines() -> None:
+    """Small modules with one owner each: the package's own code stays under 400 lines a file
+    (tests and benchmark scripts aside)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    skip = {"tests", "benchmarks", "docs", "deploy", "build"}
+    long = {
+        str(p.relative_to(root)): n
+        for p in root.rglob("*.py")
+        if not ({part for part in p.relative_to(root).parts} & skip or p.parts[-2].startswith("."))
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        and (n := len(p.read_text(encoding="utf-8").splitlines())) > 400
+    }
+    assert long == {}

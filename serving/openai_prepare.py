@@ -1,0 +1,197 @@
+"""Turning an API call into an engine run: validate the body, build the prompts and the
+``SamplingParams`` (raising ``APIError`` with the offending parameter named), start the run,
+and hand back the ``Endpoint`` that answers it."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pagedserve.controller.client import EngineClient
+from pagedserve.messages import SamplingParams, SamplingParamsError
+from pagedserve.serving.openai_handlers import Endpoint
+from pagedserve.serving.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagedserve.serving.openai_serving import (
+    APIError,
+    EngineRun,
+    Prompt,
+    ServerContext,
+    engine_unavailable,
+    submit_error,
+)
+
+__all__ = ["prepare_chat", "prepare_completion", "render_chat"]
+
+# Request fields passed to SamplingParams unchanged when present.
+_PASSTHROUGH = (
+    "temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "seed",
+)
+
+
+def _check_model(client: EngineClient, model: str | None) -> None:
+    if model is not None and model != client.model_name:
+        raise APIError(
+            404, f"the model `{model}` does not exist; this server serves `{client.model_name}`",
+            param="model", code="model_not_found",
+        )
+    if not client.is_healthy():
+        raise engine_unavailable()
+
+
+def _unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"{what} is not supported by this server", param=param)
+
+
+def _sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    names: dict[str, str],
+    *,
+    echo: bool = False,
+) -> SamplingParams:
+    """``echo`` (completions): the prompt's logprobs go with the completion's, and
+    ``max_tokens`` 0 asks for the prompt alone (scoring it)."""
+    if max_tokens == 0 and not echo:
+        param = names.get("max_tokens", "max_tokens")
+        raise APIError(
+            400, f"{param} must be at least 1 (0, the prompt alone, needs echo on "
+            "/v1/completions)", param=param,
+        )
+    kw: dict[str, Any] = {"n": body.n, "max_tokens": max_tokens, "logprobs": logprobs}
+    if echo and logprobs is not None:
+        kw["prompt_logprobs"] = logprobs
+    for name in _PASSTHROUGH:
+        value = getattr(body, name)
+        if value is not None:
+            kw[name] = value
+    if body.stop is not None:
+        kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if body.stop_token_ids is not None:
+        kw["stop_token_ids"] = list(body.stop_token_ids)
+    try:
+        return SamplingParams(**kw)
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=names.get(exc.field, exc.field)) from None
+
+
+def _check_context(
+    client: EngineClient, prompts: list[Prompt], max_tokens: int | None, prompt_param: str,
+    max_param: str,
+) -> None:
+    limit = client.max_model_len
+    for p in prompts:
+        # A prompt alone (max_tokens 0, echo) may fill the context; otherwise leave room.
+        if len(p.token_ids) > limit or (len(p.token_ids) == limit and max_tokens != 0):
+            raise APIError(
+                400, f"this model's maximum context length is {limit} tokens, and the prompt "
+                f"has {len(p.token_ids)}: no room is left to generate",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        if max_tokens is not None and len(p.token_ids) + max_tokens > limit:
+            raise APIError(
+                400, f"this model's maximum context length is {limit} tokens, but "
+                f"{len(p.token_ids) + max_tokens} were requested ({len(p.token_ids)} in the "
+                f"prompt, {max_tokens} to generate); lower {max_param} or shorten the prompt",
+                param=max_param, code="context_length_exceeded",
+            )
+
+
+def _new_run(
+    ctx: ServerContext, prefix: str, prompts: list[Prompt], params: SamplingParams,
+    cache_salt: str | None,
+) -> tuple[str, EngineRun]:
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    return request_id, EngineRun(ctx, request_id, prompts, params, cache_salt)
+
+
+async def _start(run: EngineRun, prompt_param: str) -> None:
+    try:
+        await run.start()
+    except APIError:
+        raise
+    except Exception as exc:
+        raise submit_error(exc, prompt_param) from exc
+
+
+async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> Endpoint:
+    client = ctx.client
+    _check_model(client, body.model)
+    if body.suffix:
+        raise _unsupported("suffix", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise _unsupported("best_of", "best_of other than n")
+    if body.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias")
+    prompts = _completion_prompts(client, body.prompt)
+    params = _sampling_params(body, body.max_tokens, body.logprobs, {}, echo=body.echo)
+    _check_context(client, prompts, body.max_tokens, "prompt", "max_tokens")
+    request_id, run = _new_run(ctx, "cmpl", prompts, params, body.cache_salt)
+    await _start(run, "prompt")
+    return Endpoint(
+        chat=False, client=client, run=run, request_id=request_id, model=client.model_name,
+        stream=body.stream, include_usage=_include_usage(body), top_n=body.logprobs,
+        echo=body.echo,
+    )
+
+
+def _completion_prompts(client: EngineClient, prompt: Any) -> list[Prompt]:
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if client.tokenizer is None:
+            raise APIError(400, "text prompts need a tokenizer; send token ids", param="prompt")
+        return [Prompt(t, client.tokenizer.encode(t)) for t in texts]
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return [Prompt(None, list(p)) for p in prompt]
+    return [Prompt(None, list(prompt))]
+
+
+async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpoint:
+    client = ctx.client
+    _check_model(client, body.model)
+    if body.tools:
+        raise _unsupported("tools", "tool calling")
+    if body.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
+    names = {"logprobs": "top_logprobs", "max_tokens": max_param}
+    params = _sampling_params(body, max_tokens, top_n, names)
+    prompt = render_chat(client, body.messages)
+    _check_context(client, [prompt], max_tokens, "messages", max_param)
+    request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body.cache_salt)
+    await _start(run, "messages")
+    return Endpoint(
+        chat=True, client=client, run=run, request_id=request_id, model=client.model_name,
+        stream=body.stream, include_usage=_include_usage(body), top_n=top_n,
+    )
+
+
+def render_chat(client: EngineClient, chat: list[ChatMessage], add_prompt: bool = True) -> Prompt:
+    """A conversation through the chat template (``add_prompt``: open the assistant's turn)."""
+    tok = client.tokenizer
+    if tok is None:
+        raise APIError(400, "chat needs a tokenizer with a chat template", param="messages")
+    msgs: list[dict[str, Any]] = []
+    for m in chat:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        msgs.append(msg)
+    try:
+        text = tok.hf.apply_chat_template(msgs, add_generation_prompt=add_prompt, tokenize=False)
+    except Exception as exc:  # no template, or the template rejected the conversation
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    # The template already holds the special tokens (BOS and so on).
+    ids = list(tok.hf.encode(text, add_special_tokens=False))
+    return Prompt(text, ids)
+
+
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
