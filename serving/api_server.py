@@ -32,9 +32,9 @@ from pagedserve.serving.metrics import ServerMetrics
 from pagedserve.serving.openai_handlers import Endpoint
 from pagedserve.serving.openai_prepare import prepare_chat, prepare_completion
 from pagedserve.serving.openai_protocol import (
+    ERROR_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
     ModelCard,
     ModelList,
 )
@@ -82,17 +82,11 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": what}
-    for status, what in ((400, "invalid request"), (401, "missing or invalid API key"),
-                         (404, "unknown model or route"), (500, "internal error"),
-                         (503, "the engine is down or full"))
-}
 _ANSWERS: dict[int | str, dict[str, Any]] = {
     200: {"description": "the completion, or a stream of server-sent events",
           "content": {"application/json": {}, "text/event-stream": {}}},
     499: {"description": "the client went away before the answer", "content": None},
-    **_ERRORS,
+    **ERROR_RESPONSES,
 }
 
 
@@ -174,7 +168,7 @@ def build_app(
         body = await asyncio.to_thread(metrics.render)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=_ERRORS)
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict[str, Any]:
         card = ModelCard(
             id=client.model_name, root=client.model_name, max_model_len=client.max_model_len

@@ -141,3 +141,12 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in ((400, "invalid request"), (401, "missing or invalid API key"),
+                         (404, "unknown model or route"), (500, "internal error"),
+                         (503, "the engine is down or full"))
+}
+"""Every error status a route may answer, with OpenAI's error body, for the OpenAPI schema."""

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.serving.openai_prepare import render_chat
-from pagedserve.serving.openai_protocol import ChatMessage
+from pagedserve.serving.openai_protocol import ERROR_RESPONSES, ChatMessage
 from pagedserve.serving.openai_serving import APIError
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "tokenize_router"]
@@ -93,11 +93,11 @@ def tokenize_router(client: EngineClient) -> APIRouter:
     """The two routes, over ``client``'s tokenizer (no engine round trip)."""
     router = APIRouter()
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=ERROR_RESPONSES)
     async def _tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return tokenize(client, body)
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=ERROR_RESPONSES)
     async def _detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return detokenize(client, body)
 
