@@ -39,8 +39,9 @@ def allocate_general(
     is_new = existing[0] is None
     hits = _validate_hits(mgr, request, is_new, num_new_computed_tokens, new_computed_blocks)
     need_slot = min(end + lookahead, mgr.max_model_len)
-    if mgr.policy == "reserve":
-        need_slot = mgr.max_model_len
+    if mgr.policy == "reserve" and is_new:
+        # The whole reservation at admission; afterwards only growth past it allocates.
+        need_slot = max(need_slot, mgr.reservation_tokens(request))
     target = -(-need_slot // bs)
     prev_computed = request.num_computed_tokens
 
