@@ -1,4 +1,4 @@
-"""The ``pagedserve`` console entry: generate | serve | demo-model."""
+"""The ``pagedserve`` console entry: generate | serve | bench | demo-model."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pagedserve import __version__
+from pagedserve.bench.cli import add_bench_parser, run_bench
 from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
 from pagedserve.serving.serve_cli import add_serve_parser, run_serve
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(gen)
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
 
     demo = sub.add_parser("demo-model", help="write the demo checkpoint to DIR")
     demo.add_argument("dir")
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate_job(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "bench":
+        return run_bench(args, sys.argv[1:] if argv is None else argv)
     if args.command == "demo-model":
         return _demo_model(args)
     parser.print_help()

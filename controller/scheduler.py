@@ -16,6 +16,7 @@ Under the ``reserve`` policy the parent is skipped and the children run as indep
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -29,7 +30,11 @@ from pagedserve.messages import (
     SchedulerOutput,
 )
 
-__all__ = ["Scheduler", "SchedulerStats", "StepHook"]
+__all__ = ["BATCHED_TOKENS_BUCKETS", "Scheduler", "SchedulerStats", "StepHook"]
+
+BATCHED_TOKENS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
+                          512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 16384)
+"""Upper bounds (inclusive) of the tokens-per-step histogram; one more bucket holds the rest."""
 
 StepHook = Callable[["Scheduler", SchedulerOutput], None]
 """Called after every ``schedule()``, when the step's blocks are allocated but not yet freed
@@ -45,6 +50,9 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
+    batched_tokens_counts: tuple[int, ...] = ()
+    """Steps that scheduled tokens, per ``BATCHED_TOKENS_BUCKETS`` bucket (+ the overflow)."""
+    batched_tokens_sum: int = 0
 
 
 class Scheduler:
@@ -77,6 +85,8 @@ class Scheduler:
         self.step_hooks: list[StepHook] = []
         self.num_preemptions = 0
         self._step_id = 0
+        self._batched_counts = [0] * (len(BATCHED_TOKENS_BUCKETS) + 1)
+        self._batched_sum = 0
         # Requests the workers hold and must drop at the next step (finished, aborted, forked
         # parents, preempted).
         self._finished_ids: list[str] = []
@@ -133,6 +143,8 @@ class Scheduler:
             prefix_cache_hits=pc.hits,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
+            batched_tokens_counts=tuple(self._batched_counts),
+            batched_tokens_sum=self._batched_sum,
         )
 
     # ----------------------------------------------------------------- schedule
@@ -182,6 +194,9 @@ class Scheduler:
         output = self._build_output(scheduled, num_scheduled, new_blocks)
         for req in scheduled:
             req.num_computed_tokens += num_scheduled[req.request_id]
+        if total := output.total_num_scheduled_tokens:
+            self._batched_counts[bisect_left(BATCHED_TOKENS_BUCKETS, total)] += 1
+            self._batched_sum += total
         self._step_id += 1
         for hook in self.step_hooks:
             hook(self, output)

@@ -54,7 +54,11 @@ def plan_allocation(
     existing = [m.req_to_blocks.get(rid) for m in mgr.managers]
     is_new = existing[0] is None
     hits = _validate_hits(mgr, request, is_new, num_new_computed_tokens, new_computed_blocks)
-    target = -(-(mgr.max_model_len if mgr.policy == "reserve" else end) // bs)
+    need_slot = end
+    if mgr.policy == "reserve" and is_new:
+        # The whole reservation at admission; afterwards only growth past it allocates.
+        need_slot = max(end, mgr.reservation_tokens(request))
+    target = -(-need_slot // bs)
     needed = 0
     credit = 0
     copies: list[list[int]] = []

@@ -12,7 +12,7 @@ Call order the scheduler follows (one request, one step):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Literal
 
@@ -55,6 +55,11 @@ class KVCacheManager:
         policy: ``"paged"`` allocates blocks on demand; ``"reserve"`` holds
             ``ceil(max_model_len / B)`` blocks per group from admission: the contiguous
             pre-allocation baseline that the memory experiments compare against.
+        reserve_tokens: with ``policy="reserve"``, how many tokens to reserve for a request
+            (called with the request when it is admitted; capped at ``max_model_len``). None
+            reserves ``max_model_len`` for every request. A request that outgrows its
+            reservation gets further blocks on demand. ``check_admissible`` stays conservative
+            and assumes the ``max_model_len`` reservation.
         virtual_block_factor: decode-context-parallel size. Each rank stores ``block_size``
             tokens of a block whose tokens are interleaved over the ranks, so the manager sees
             blocks of ``block_size * virtual_block_factor`` tokens (``self.block_size``). Block
@@ -70,11 +75,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         policy: AllocationPolicy = "paged",
         virtual_block_factor: int = 1,
+        reserve_tokens: Callable[[KVRequest], int] | None = None,
     ) -> None:
         if block_size <= 0 or max_model_len <= 0 or virtual_block_factor <= 0:
             raise InvalidArgumentError("block_size, max_model_len, virtual_block_factor must be >0")
         if policy not in ("paged", "reserve"):
             raise InvalidArgumentError(f"unknown allocation policy {policy!r}")
+        if reserve_tokens is not None and policy != "reserve":
+            raise InvalidArgumentError("reserve_tokens needs policy='reserve'")
         if group_specs is None:
             group_specs = [FullAttentionSpec(block_size, 1, 1, 1)]
         if not group_specs:
@@ -111,6 +119,7 @@ class KVCacheManager:
         self._group0_blocks = self.managers[0].req_to_blocks
         self._group0_cached = self.managers[0].num_cached_blocks
         self._reserve_blocks = -(-max_model_len // self.block_size)
+        self._reserve_tokens = reserve_tokens
         self.prefix_cache_stats = PrefixCacheStats()
         # Tokens each request will have written once the current step runs (for fill snapshots).
         self._num_filled: dict[str, int] = {}
@@ -137,6 +146,17 @@ class KVCacheManager:
     def num_filled_tokens(self) -> Mapping[str, int]:
         """Read-only: tokens each held request will have written once the current step runs."""
         return MappingProxyType(self._num_filled)
+
+    def reservation_tokens(self, request: KVRequest) -> int:
+        """Tokens the ``reserve`` policy holds for ``request`` (0 under ``paged``)."""
+        if self.policy != "reserve":
+            return 0
+        if self._reserve_tokens is None:
+            return self.max_model_len
+        want = self._reserve_tokens(request)
+        if isinstance(want, bool) or not isinstance(want, int) or want < 0:
+            raise InvalidArgumentError(f"reserve_tokens returned {want!r}, not a count >= 0")
+        return min(want, self.max_model_len)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.managers[0].req_to_blocks

@@ -24,6 +24,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     eng.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     eng.add_argument("--num-gpu-blocks", type=int, default=None)
     eng.add_argument("--no-prefix-caching", action="store_true")
+    eng.add_argument("--allocation-policy", default="paged", choices=["paged", "reserve"],
+                     help="paged: KV blocks on demand; reserve: max_model_len per request at "
+                          "admission (the contiguous pre-allocation baseline)")
     eng.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     eng.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
     eng.add_argument("--dp", type=int, default=1, help="data-parallel replicas (behind a router)")
@@ -47,6 +50,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "num_gpu_blocks": args.num_gpu_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "allocation_policy": args.allocation_policy,
         "tensor_parallel_size": args.tp,
         "decode_context_parallel_size": args.dcp,
         "data_parallel_size": args.dp,

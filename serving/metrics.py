@@ -13,10 +13,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from pagedserve.controller.client import EngineClient
+from pagedserve.controller.scheduler import BATCHED_TOKENS_BUCKETS
 
 __all__ = ["PREFIX", "ServerMetrics"]
 
@@ -79,6 +85,18 @@ class _EngineCollector(Collector):
                 family = GaugeMetricFamily(PREFIX + name, doc)
             family.add_metric([], float(value))
             yield family
+        counts = stats.get("batched_tokens_counts")
+        if counts and len(counts) == len(BATCHED_TOKENS_BUCKETS) + 1:
+            cumulative, buckets = 0, []
+            for bound, count in zip((*BATCHED_TOKENS_BUCKETS, "+Inf"), counts, strict=True):
+                cumulative += int(count)
+                buckets.append((str(bound), float(cumulative)))
+            yield HistogramMetricFamily(
+                PREFIX + "batched_tokens_per_step",
+                "Tokens scheduled in one engine step (prefill chunks and decodes together).",
+                buckets=buckets,
+                sum_value=float(stats.get("batched_tokens_sum", 0)),
+            )
 
 
 class ServerMetrics:

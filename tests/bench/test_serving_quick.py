@@ -1,0 +1,54 @@
+"""``pagedserve bench serving --quick`` end to end: two real ``pagedserve serve`` processes
+(local backend, demo model, a KV pool that fits two reserve requests), a two-rate sweep over
+HTTP with streaming clients, sane JSON and the targets' directions."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pagedserve.cli import main
+
+
+@pytest.fixture(scope="module")
+def serving_doc(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("serving")
+    assert main(["bench", "serving", "--quick", "--no-progress", "--out", str(out)]) == 0
+    return out, json.loads((out / "serving.json").read_text())
+
+
+def test_files_and_sane_numbers(serving_doc: tuple[Path, dict]) -> None:
+    out, doc = serving_doc
+    for name in ("serving.md", "serving_latency.png", "serving_batched_tokens.png"):
+        assert (out / name).stat().st_size > 1000, name
+    assert set(doc["policies"]) == {"paged", "reserve"}
+    for name, p in doc["policies"].items():
+        assert "--allocation-policy " + name in p["server_command"]
+        for r in p["rates"]:
+            assert r["completed"] == r["num_requests"], (name, r["errors"])
+            expected = sum(q["output"] for q in r["requests"])
+            assert r["output_tokens"] == expected > 0
+            assert 0 < r["ttft_p50"] <= r["e2e_p50"]
+            assert r["normalized_latency_mean"] > 0 and r["tpot_p50"] > 0
+            # Every output token was scheduled in some step the histogram counted.
+            bt, whole = r["batched_tokens"], r["batched_tokens_whole_run"]
+            assert 0 < bt["steps"] <= whole["steps"] == sum(whole["counts"])
+            assert whole["mean"] * whole["steps"] >= r["output_tokens"] - r["completed"]
+            assert r["preemptions"] >= 0
+            assert not math.isnan(r["itl_p99"])
+
+
+def test_target_directions(serving_doc: tuple[Path, dict]) -> None:
+    _, doc = serving_doc
+    paged, reserve = doc["policies"]["paged"], doc["policies"]["reserve"]
+    top_p, top_r = paged["rates"][-1], reserve["rates"][-1]
+    # Under load, reserve (2 requests fit its pool) queues; paged batches more and is faster.
+    assert top_p["batched_tokens"]["median"] > top_r["batched_tokens"]["median"]
+    assert top_p["normalized_latency_mean"] < top_r["normalized_latency_mean"]
+    assert top_p["output_throughput"] > top_r["output_throughput"]
+    assert top_r["preemptions"] == 0  # a reservation never grows
+    cp, cr = paged["capacity"]["interpolated"], reserve["capacity"]["interpolated"]
+    assert cp is not None and (cr is None or cp >= cr)
