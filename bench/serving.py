@@ -303,7 +303,7 @@ def server_command(o: ServingOptions, policy: str, port: int) -> list[str]:
         sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
         "--log-level", "warning", "--allocation-policy", policy,
         "--max-model-len", str(o.max_model_len), "--num-gpu-blocks", str(o.num_gpu_blocks),
-        "--backend", o.backend,
+        "--backend", o.backend, "--model", "demo",  # the random demo checkpoint, by name
     ]
     return cmd + shlex.split(o.server_args)
 

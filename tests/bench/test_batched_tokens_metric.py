@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.bench.prom import histogram_quantile, parse_metrics
-from pagedserve.serving.metrics import ServerMetrics
 from pagedserve.controller.request import Request
 from pagedserve.controller.scheduler import BATCHED_TOKENS_BUCKETS, Scheduler
 from pagedserve.kv import KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, SamplingParams
+from pagedserve.serving.metrics import ServerMetrics
 
 
 def _run(num_reqs: int, prompt: int, out: int) -> Scheduler:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers.kv_requests import SimpleRequest
 
-from pagedserve.kv import BlockHasher, InvalidArgumentError, KVCacheManager, SimpleRequest
+from pagedserve.kv import BlockHasher, InvalidArgumentError, KVCacheManager
 
 B = 16
 HASHER = BlockHasher(B)
