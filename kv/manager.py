@@ -1,14 +1,8 @@
-"""The scheduler-facing KV cache manager.
-
-Call order the scheduler follows (one request, one step):
-
-* admission: ``check_admissible(total_tokens)`` once, then ``get_computed_blocks(req)`` for the
-  prefix hit, then ``allocate_slots(req, n, hit_tokens, hit_blocks)``;
-* each later step: ``allocate_slots(req, n)``; ``None`` means "does not fit, nothing changed":
-  preempt someone (``free``) and retry, or stop admitting;
-* after each step: ship ``take_pending_copies()`` / ``take_block_replacements()`` to workers;
-* finish or preemption: ``free(req)``.
-"""
+"""The scheduler-facing KV cache manager. Call order, per request: ``check_admissible`` once,
+``get_computed_blocks`` (the prefix hit) and ``allocate_slots(req, n, hit, hit_blocks)`` at
+admission, ``allocate_slots(req, n)`` each later step (``None``: does not fit, nothing changed;
+preempt or stop admitting), ``take_pending_copies()`` / ``take_block_replacements()`` to ship
+after each step, and ``free(req)`` at the end or on preemption."""
 
 from __future__ import annotations
 
@@ -55,11 +49,9 @@ class KVCacheManager:
         policy: ``"paged"`` allocates blocks on demand; ``"reserve"`` holds
             ``ceil(max_model_len / B)`` blocks per group from admission: the contiguous
             pre-allocation baseline that the memory experiments compare against.
-        reserve_tokens: with ``policy="reserve"``, how many tokens to reserve for a request
-            (called with the request when it is admitted; capped at ``max_model_len``). None
-            reserves ``max_model_len`` for every request. A request that outgrows its
-            reservation gets further blocks on demand. ``check_admissible`` stays conservative
-            and assumes the ``max_model_len`` reservation.
+        reserve_tokens: with ``policy="reserve"``, the tokens to reserve for a request at its
+            admission (capped at ``max_model_len``; None: ``max_model_len``); growth past it is
+            on demand. ``check_admissible`` assumes the ``max_model_len`` reservation.
         virtual_block_factor: decode-context-parallel size. Each rank stores ``block_size``
             tokens of a block whose tokens are interleaved over the ranks, so the manager sees
             blocks of ``block_size * virtual_block_factor`` tokens (``self.block_size``). Block
