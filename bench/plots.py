@@ -68,8 +68,7 @@ def memory_heatmap(paged: SimResult, reserve: SimResult, path: Path) -> None:
         bs = res.config.block_size
         raw = _even_rows(res.heatmap_t, res.heatmap[:, 1:], t_end, 240)  # no null block
         rows = np.ma.masked_less(raw.astype(np.float32) / bs, 0)  # free blocks: masked
-        cmap = plt.get_cmap("viridis").copy()
-        cmap.set_bad("white")
+        cmap = plt.get_cmap("viridis").with_extremes(bad="white")
         im = ax.imshow(rows, aspect="auto", origin="lower", cmap=cmap, vmin=0, vmax=1,
                        interpolation="nearest", extent=(1, rows.shape[1] + 1, 0, t_end))
         s = res.summary
