@@ -62,8 +62,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--policies", default="paged,reserve",
                    help="allocation policies to start servers for (default paged,reserve)")
     s.add_argument("--rates", type=_floats, default=None,
-                   help="request rates, req/s, comma separated (default 0.5,1,1.5,2,3,4)")
-    s.add_argument("--num-requests", type=int, default=None, help="requests per rate")
+                   help="request rates, req/s, comma separated (default 0.5,0.75,1,1.5,2,2.5,3,4)")
+    s.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals per rate: rate x DURATION requests (default 40)")
+    s.add_argument("--num-requests", type=int, default=None,
+                   help="a fixed number of requests per rate instead of --duration")
     s.add_argument("--workload", default=None,
                    choices=["sharegpt", "sharegpt-vllm", "alpaca", "tiny"])
     s.add_argument("--burstiness", type=float, default=1.0)
@@ -77,6 +80,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="more options for the started servers, e.g. \"--model DIR\"")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--replot", action="store_true",
+                   help="only redraw serving.md and the PNGs from OUT/serving.json")
     return p
 
 
@@ -96,8 +101,11 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         run_memory(mo)
         return 0
     if args.bench_command == "serving":
-        from pagedserve.bench.serving import ServingOptions, run_serving
+        from pagedserve.bench.serving import ServingOptions, replot, run_serving
 
+        if args.replot:
+            replot(args.out)
+            return 0
         so = ServingOptions(out=args.out, url=args.url, label=args.label,
                             policies=tuple(x for x in args.policies.split(",") if x),
                             burstiness=args.burstiness, server_args=args.server_args,
@@ -109,6 +117,10 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             value = getattr(args, key)
             if value is not None:
                 setattr(so, key, value)
+        if args.num_requests is not None:
+            so.duration_s = None
+        if args.duration is not None:
+            so.duration_s = args.duration
         run_serving(so)
         return 0
     print("pagedserve bench: choose an experiment: memory or serving")

@@ -51,10 +51,11 @@ class Policy:
 POLICIES: dict[str, Policy] = {
     p.name: p
     for p in (
-        Policy("paged", "paged (vLLM-style)", "paged"),
-        Policy("reserve", "reserve max_model_len (Orca-Max)", "reserve", "max"),
-        Policy("reserve-pow2", "reserve next pow2 of length (Orca-Pow2)", "reserve", "pow2"),
-        Policy("reserve-oracle", "reserve true length (Orca-Oracle)", "reserve", "oracle"),
+        Policy("paged", "vLLM-style, blocks on demand", "paged"),
+        Policy("reserve", "Orca-Max: reserves max_model_len", "reserve", "max"),
+        Policy("reserve-pow2", "Orca-Pow2: reserves the length's next power of two", "reserve",
+               "pow2"),
+        Policy("reserve-oracle", "Orca-Oracle: reserves the true length", "reserve", "oracle"),
     )
 }
 

@@ -68,8 +68,7 @@ def memory_heatmap(paged: SimResult, reserve: SimResult, path: Path) -> None:
         bs = res.config.block_size
         raw = _even_rows(res.heatmap_t, res.heatmap[:, 1:], t_end, 240)  # no null block
         rows = np.ma.masked_less(raw.astype(np.float32) / bs, 0)  # free blocks: masked
-        cmap = plt.get_cmap("viridis").copy()
-        cmap.set_bad("white")
+        cmap = plt.get_cmap("viridis").with_extremes(bad="white")
         im = ax.imshow(rows, aspect="auto", origin="lower", cmap=cmap, vmin=0, vmax=1,
                        interpolation="nearest", extent=(1, rows.shape[1] + 1, 0, t_end))
         s = res.summary
@@ -94,12 +93,13 @@ def memory_utilisation(results: dict[str, SimResult], path: Path) -> None:
         ax.plot(s["t"], np.asarray(s["utilisation"]) * 100, color=COLORS[pol], lw=1.2,
                 label=f"{SHORT[pol]} ({res.summary['utilisation_steady']:.0%})")
     lo, hi = next(iter(results.values())).summary["steady_window_s"]
-    ax.axvspan(lo, hi, color="0.92", zorder=0, label="steady window (paged)")
+    ax.axvspan(lo, hi, color="0.92", zorder=0, label="steady window")
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("slots holding tokens / allocated (%)")
     ax.set_ylim(0, 102)
     ax.set_title("KV utilisation over time, ShareGPT-like")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8,
+              frameon=False)
     data = [res.frag_steady * 100 for res in results.values()]
     box = bx.boxplot(data, whis=(5, 95), showfliers=False, patch_artist=True)
     for patch, pol in zip(box["boxes"], results, strict=True):
@@ -159,6 +159,9 @@ def memory_block_size(runs: dict[str, dict[str, Any]], path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], "o-", color=color,
                     label=f"{name}-like")
     ax.set_xscale("log", base=2)
+    sizes = sorted({int(k.split("/")[-1]) for k in runs if k.startswith("block_size/")})
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.minorticks_off()
     ax.set_xlabel("block size (tokens)")
     ax.set_ylabel("slots holding tokens / allocated (%)")
     ax.set_title("paged: utilisation against block size")
@@ -169,9 +172,16 @@ def memory_block_size(runs: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ serving
-def serving_latency(policies: dict[str, list[dict[str, Any]]], slo: float, path: Path) -> None:
+def serving_latency(policies: dict[str, list[dict[str, Any]]], slo: float, path: Path,
+                    capacities: dict[str, float | None] | None = None) -> None:
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for pol, cap in (capacities or {}).items():
+        if cap:
+            axes[0].plot([cap], [slo], marker="v", ms=9, color=COLORS.get(pol, "0.3"),
+                         ls="none", zorder=5)
+            axes[0].annotate(f"{cap:.2f} req/s", (cap, slo), textcoords="offset points",
+                             xytext=(4, 8), fontsize=8, color=COLORS.get(pol, "0.3"))
     for pol, rows in policies.items():
         rates = [r["rate"] for r in rows]
         for ax, key, title in ((axes[0], "normalized_latency_mean", "mean"),
@@ -179,12 +189,18 @@ def serving_latency(policies: dict[str, list[dict[str, Any]]], slo: float, path:
             ax.plot(rates, [r[key] for r in rows], "o-", color=COLORS.get(pol, "0.3"),
                     label=SHORT.get(pol, pol))
             ax.set_title(f"{title} normalised latency")
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
     for ax in axes:
         ax.axhline(slo, color="0.4", ls="--", lw=1, label=f"SLO {slo:g} s/token")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("latency / output tokens (s/token)")
         ax.set_yscale("log")
-        ax.grid(alpha=0.3, which="both")
+        ax.yaxis.set_major_locator(FixedLocator(
+            [m * 10.0**e for e in range(-4, 3) for m in (1, 2, 5)]))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.grid(alpha=0.3, which="major")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     _save(fig, path)
@@ -198,7 +214,8 @@ def serving_batched_tokens(hists: dict[str, dict[str, Any]], path: Path) -> None
     if not pols:
         _save(fig, path)
         return
-    bounds = hists[pols[0]]["bounds"]
+    # The overflow bucket's bound is infinite (null once through JSON).
+    bounds = [math.inf if b is None else b for b in hists[pols[0]]["bounds"]]
     labels = []
     lo = 0.0
     for b in bounds:

@@ -50,6 +50,8 @@ __all__ = [
     "RequestResult",
     "ServingOptions",
     "capacity",
+    "render",
+    "replot",
     "run_serving",
     "running_server",
     "server_command",
@@ -68,9 +70,13 @@ class ServingOptions:
     label: str = "server"
     """Name of the ``--url`` server in the results."""
     policies: tuple[str, ...] = ("paged", "reserve")
-    rates: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+    rates: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
+    duration_s: float | None = 40.0
+    """Arrivals span this long at every rate: ``rate * duration_s`` requests (at least
+    ``min_requests``), a fixed-length trace as in the paper. None: ``num_requests`` each."""
+    min_requests: int = 30
     num_requests: int = 50
-    """Requests per rate."""
+    """Requests per rate when ``duration_s`` is None."""
     workload: str = "sharegpt-vllm"
     burstiness: float = 1.0
     max_model_len: int = 2048
@@ -93,11 +99,20 @@ class ServingOptions:
     progress: bool = True
     argv: list[str] | None = None
 
+    def requests_at(self, rate: float) -> int:
+        if self.duration_s is None or math.isinf(rate):
+            return self.num_requests
+        return max(self.min_requests, round(rate * self.duration_s))
+
+    def max_requests(self) -> int:
+        return max(self.requests_at(r) for r in self.rates)
+
     def scaled(self) -> ServingOptions:
         if not self.quick:
             return self
         return replace(
-            self, rates=(4.0, 16.0), num_requests=16, workload="tiny", max_model_len=256,
+            self, rates=(4.0, 16.0), duration_s=None, num_requests=16, workload="tiny",
+            max_model_len=256,
             num_gpu_blocks=33, backend="local", warmup_requests=1, slo=0.04,
             stop_after_violations=0,
         )
@@ -181,10 +196,12 @@ async def _run_rate(o: ServingOptions, url: str, model: str, rate: float, index:
     workload = WORKLOADS[o.workload]
     # The same lengths at every rate (only the load changes), fresh token ids at each rate
     # (so that no rate hits the prefix cache of an earlier one).
-    prompts, outputs = sample_lengths(workload, o.num_requests, np.random.default_rng(o.seed),
+    n = o.requests_at(rate)
+    prompts, outputs = sample_lengths(workload, o.max_requests(), np.random.default_rng(o.seed),
                                       max_total=o.max_model_len)
+    prompts, outputs = prompts[:n], outputs[:n]
     rng = np.random.default_rng([o.seed, index])
-    sends = arrival_times(o.num_requests, rate, rng, o.burstiness)
+    sends = arrival_times(n, rate, rng, o.burstiness)
     lo, hi = o.token_id_range
     id_lists = [rng.integers(lo, hi, size=int(p)).tolist() for p in prompts]
     results = [RequestResult(int(p), int(n)) for p, n in zip(prompts, outputs, strict=True)]
@@ -369,7 +386,7 @@ async def _sweep(o: ServingOptions, url: str, bar: Any) -> tuple[str, list[dict[
     misses = 0
     for i, rate in enumerate(o.rates):
         if o.stop_after_violations and misses >= o.stop_after_violations:
-            bar.update(o.num_requests)  # skipped: past this server's capacity already
+            bar.update(o.requests_at(rate))  # skipped: past this server's capacity already
             continue
         row = await _run_rate(o, url, model, rate, i, bar)
         rows.append(row)
@@ -412,7 +429,7 @@ def run_serving(o: ServingOptions) -> dict[str, Any]:
 
     o.out.mkdir(parents=True, exist_ok=True)
     targets = [o.label] if o.url else list(o.policies)
-    bar = tqdm(total=len(targets) * len(o.rates) * o.num_requests, unit="req",
+    bar = tqdm(total=len(targets) * sum(o.requests_at(r) for r in o.rates), unit="req",
                disable=not o.progress, dynamic_ncols=True, mininterval=0.5)
     per: dict[str, Any] = {}
     t_all = time.perf_counter()
@@ -447,16 +464,31 @@ def run_serving(o: ServingOptions) -> dict[str, Any]:
     }
     doc["targets"] = _targets(doc)
     write_json(o.out / "serving.json", doc)
-    from pagedserve.bench import plots
-
-    plots.serving_latency({k: v["rates"] for k, v in per.items()}, o.slo,
-                          o.out / "serving_latency.png")
-    plots.serving_batched_tokens(_loaded_hists(per), o.out / "serving_batched_tokens.png")
-    (o.out / "serving.md").write_text(_markdown(doc))
+    render(doc, o.out)
     print(f"wrote {o.out}/serving.json, serving.md and 2 PNGs "
           f"in {doc['wall_seconds']:.0f} s")
     for name, t in doc["targets"].items():
         print(f"  target {name}: {t['value']} -> {'met' if t['met'] else 'NOT met'}")
+    return doc
+
+
+def render(doc: dict[str, Any], out: Path) -> None:
+    """Write ``serving.md`` and the PNGs from a results document (``serving.json``)."""
+    from pagedserve.bench import plots
+
+    per = doc["policies"]
+    plots.serving_latency({k: v["rates"] for k, v in per.items()},
+                          doc["slo_normalized_latency_s"], out / "serving_latency.png",
+                          {k: v["capacity"]["interpolated"] for k, v in per.items()})
+    plots.serving_batched_tokens(_loaded_hists(per), out / "serving_batched_tokens.png")
+    (out / "serving.md").write_text(_markdown(doc))
+
+
+def replot(out: Path) -> dict[str, Any]:
+    """Redraw the figures and tables of an earlier run from ``out/serving.json``."""
+    doc = json.loads((out / "serving.json").read_text())
+    render(doc, out)
+    print(f"redrew {out}/serving.md and 2 PNGs from serving.json")
     return doc
 
 
@@ -525,7 +557,11 @@ def _markdown(doc: dict[str, Any]) -> str:
         doc["command"],
         "```",
         "",
-        f"Workload: {doc['workload']}; {o['num_requests']} requests per rate, Gamma arrivals "
+        f"Workload: {doc['workload']}; "
+        + (f"arrivals over {o['duration_s']:g} s at every rate (rate x {o['duration_s']:g} "
+           f"requests, at least {o['min_requests']})" if o["duration_s"] else
+           f"{o['num_requests']} requests per rate")
+        + "; Gamma arrivals "
         f"(burstiness {o['burstiness']:g}: Poisson), token-id prompts, `max_tokens` = the "
         "sampled output length with `ignore_eos`, streamed from `/v1/completions` and timed "
         "per server-sent event. Normalised latency = E2E / output tokens, mean over requests "
