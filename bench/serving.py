@@ -36,14 +36,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pagedserve.bench.prom import Histogram, histogram_quantile, parse_metrics
-from pagedserve.bench.report import command_line, md_table, write_json
+from pagedserve.bench.prom import parse_metrics
+from pagedserve.bench.report import command_line, write_json
+from pagedserve.bench.serving_report import render, replot, targets
+from pagedserve.bench.serving_stats import (
+    RequestResult,
+    capacity,
+    meets,
+    summarise,
+)
 from pagedserve.bench.workloads import WORKLOADS, arrival_times, sample_lengths
 
 __all__ = [
@@ -56,10 +63,6 @@ __all__ = [
     "running_server",
     "server_command",
 ]
-
-BATCHED_TOKENS = "pagedserve_batched_tokens_per_step"
-PREEMPTIONS = "pagedserve_num_preemptions_total"
-STEPS = "pagedserve_engine_steps_total"
 
 
 @dataclass
@@ -116,22 +119,6 @@ class ServingOptions:
             num_gpu_blocks=33, backend="local", warmup_requests=1, slo=0.04,
             stop_after_violations=0,
         )
-
-
-@dataclass
-class RequestResult:
-    prompt_tokens: int
-    max_tokens: int
-    send: float = 0.0
-    ttft: float = math.nan
-    e2e: float = math.nan
-    output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.output_tokens > 0
 
 
 # --------------------------------------------------------------------------- the client
@@ -232,83 +219,9 @@ async def _run_rate(o: ServingOptions, url: str, model: str, rate: float, index:
         await asyncio.gather(*tasks)
         t_end = time.perf_counter()
         after = await _scrape(session, url)
-    return _summarise(rate, results, t0, t_end, peak, before, during, after)
+    return summarise(rate, results, t0, t_end, peak, before, during, after)
 
 
-def _pct(xs: list[float] | np.ndarray, q: float) -> float:
-    a = np.asarray(xs, dtype=float)
-    a = a[np.isfinite(a)]
-    return float(np.percentile(a, q)) if a.size else math.nan
-
-
-def _mean(xs: list[float] | np.ndarray) -> float:
-    a = np.asarray(xs, dtype=float)
-    a = a[np.isfinite(a)]
-    return float(a.mean()) if a.size else math.nan
-
-
-def _summarise(rate: float, results: list[RequestResult], t0: float, t_end: float, peak: int,
-               before: Any, during: Any, after: Any) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    e2e = [r.e2e for r in ok]
-    ttft = [r.ttft for r in ok]
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itl = [x for r in ok for x in r.itl]
-    norm = [r.e2e / r.output_tokens for r in ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    duration = max(1e-9, (max(r.send + r.e2e for r in ok) - t0) if ok else t_end - t0)
-    first = before.histogram(BATCHED_TOKENS)
-    whole: Histogram = after.histogram(BATCHED_TOKENS).minus(first)
-    load: Histogram = during.histogram(BATCHED_TOKENS).minus(first)
-    return {
-        "rate": rate,
-        "num_requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "peak_concurrency": peak,
-        "e2e_mean": _mean(e2e), "e2e_p50": _pct(e2e, 50), "e2e_p99": _pct(e2e, 99),
-        "normalized_latency_mean": _mean(norm),
-        "normalized_latency_p50": _pct(norm, 50),
-        "normalized_latency_p99": _pct(norm, 99),
-        "ttft_mean": _mean(ttft), "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
-        "tpot_mean": _mean(tpot), "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
-        "itl_p50": _pct(itl, 50), "itl_p99": _pct(itl, 99),
-        "sse_events_per_output_token": (
-            (len(itl) + len(ok)) / out_tokens if out_tokens else math.nan),
-        "preemptions": after.value(PREEMPTIONS) - before.value(PREEMPTIONS),
-        "engine_steps": after.value(STEPS) - before.value(STEPS),
-        # While requests were still arriving (under load), and over the whole run (drain too).
-        "batched_tokens": _hist_summary(load),
-        "batched_tokens_whole_run": _hist_summary(whole),
-        "requests": [
-            {"prompt": r.prompt_tokens, "output": r.output_tokens, "ttft": r.ttft,
-             "e2e": r.e2e, "error": r.error}
-            for r in results
-        ],
-    }
-
-
-def _hist_summary(h: Histogram) -> dict[str, Any]:
-    return {
-        "steps": h.count,
-        "mean": h.sum / h.count if h.count else math.nan,
-        "p10": histogram_quantile(h, 0.1, integer=True),
-        "median": histogram_quantile(h, 0.5, integer=True),
-        "p90": histogram_quantile(h, 0.9, integer=True),
-        "bounds": h.bounds,
-        "counts": h.counts(),
-    }
-
-
-# --------------------------------------------------------------------------- servers
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -390,37 +303,8 @@ async def _sweep(o: ServingOptions, url: str, bar: Any) -> tuple[str, list[dict[
             continue
         row = await _run_rate(o, url, model, rate, i, bar)
         rows.append(row)
-        misses = 0 if _meets(row, o.slo) else misses + 1
+        misses = 0 if meets(row, o.slo) else misses + 1
     return model, rows
-
-
-def _meets(row: dict[str, Any], slo: float) -> bool:
-    lat = row["normalized_latency_mean"]
-    return row["failed"] == 0 and lat is not None and math.isfinite(lat) and lat <= slo
-
-
-def capacity(rows: list[dict[str, Any]], slo: float) -> dict[str, Any]:
-    """Highest swept rate up to which every rate meets the SLO (and completes every request),
-    and a linear interpolation to the crossing point."""
-    best = None
-    crossing = None
-    prev = None
-    for r in sorted(rows, key=lambda r: r["rate"]):
-        lat = r["normalized_latency_mean"]
-        if not _meets(r, slo):
-            if prev is not None and math.isfinite(lat):
-                r0, l0 = prev["rate"], prev["normalized_latency_mean"]
-                crossing = r0 + (slo - l0) * (r["rate"] - r0) / max(1e-12, lat - l0)
-            break
-        best, prev = r["rate"], r
-    return {
-        "max_rate_meeting_slo": best,
-        "interpolated": crossing if crossing is not None else best,
-        "bounded": crossing is not None,
-        "note": None if crossing is not None else (
-            "no swept rate violated the SLO: the capacity is at least the highest rate"
-            if best is not None else "even the lowest rate violated the SLO"),
-    }
 
 
 def run_serving(o: ServingOptions) -> dict[str, Any]:
@@ -428,13 +312,13 @@ def run_serving(o: ServingOptions) -> dict[str, Any]:
     from tqdm import tqdm
 
     o.out.mkdir(parents=True, exist_ok=True)
-    targets = [o.label] if o.url else list(o.policies)
-    bar = tqdm(total=len(targets) * sum(o.requests_at(r) for r in o.rates), unit="req",
+    policies = [o.label] if o.url else list(o.policies)
+    bar = tqdm(total=len(policies) * sum(o.requests_at(r) for r in o.rates), unit="req",
                disable=not o.progress, dynamic_ncols=True, mininterval=0.5)
     per: dict[str, Any] = {}
     t_all = time.perf_counter()
     try:
-        for name in targets:
+        for name in policies:
             bar.set_description(name)
             t0 = time.perf_counter()
             if o.url:
@@ -462,7 +346,7 @@ def run_serving(o: ServingOptions) -> dict[str, Any]:
         "slo_normalized_latency_s": o.slo,
         "policies": per,
     }
-    doc["targets"] = _targets(doc)
+    doc["targets"] = targets(doc)
     write_json(o.out / "serving.json", doc)
     render(doc, o.out)
     print(f"wrote {o.out}/serving.json, serving.md and 2 PNGs "
@@ -470,175 +354,3 @@ def run_serving(o: ServingOptions) -> dict[str, Any]:
     for name, t in doc["targets"].items():
         print(f"  target {name}: {t['value']} -> {'met' if t['met'] else 'NOT met'}")
     return doc
-
-
-def render(doc: dict[str, Any], out: Path) -> None:
-    """Write ``serving.md`` and the PNGs from a results document (``serving.json``)."""
-    from pagedserve.bench import plots
-
-    per = doc["policies"]
-    plots.serving_latency({k: v["rates"] for k, v in per.items()},
-                          doc["slo_normalized_latency_s"], out / "serving_latency.png",
-                          {k: v["capacity"]["interpolated"] for k, v in per.items()})
-    plots.serving_batched_tokens(_loaded_hists(per), out / "serving_batched_tokens.png")
-    (out / "serving.md").write_text(_markdown(doc))
-
-
-def replot(out: Path) -> dict[str, Any]:
-    """Redraw the figures and tables of an earlier run from ``out/serving.json``."""
-    doc = json.loads((out / "serving.json").read_text())
-    render(doc, out)
-    print(f"redrew {out}/serving.md and 2 PNGs from serving.json")
-    return doc
-
-
-def _loaded_hists(per: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each policy's batched-tokens histogram (load window) at its highest rate swept."""
-    out = {}
-    for name, p in per.items():
-        if p["rates"]:
-            top = max(p["rates"], key=lambda r: r["rate"])
-            out[name] = {"rate": top["rate"], **top["batched_tokens"]}
-    return out
-
-
-def _targets(doc: dict[str, Any]) -> dict[str, Any]:
-    per = doc["policies"]
-    if "paged" not in per or "reserve" not in per:
-        return {}
-    cp, cr = per["paged"]["capacity"], per["reserve"]["capacity"]
-    ratio = None
-    if cp["interpolated"] and cr["interpolated"]:
-        ratio = cp["interpolated"] / cr["interpolated"]
-    grid = None
-    if cp["max_rate_meeting_slo"] and cr["max_rate_meeting_slo"]:
-        grid = cp["max_rate_meeting_slo"] / cr["max_rate_meeting_slo"]
-    hp, hr = _loaded_hists(per)["paged"], _loaded_hists(per)["reserve"]
-    med = hp["median"] / hr["median"] if hr["median"] else None
-    common = sorted({r["rate"] for r in per["paged"]["rates"]}
-                    & {r["rate"] for r in per["reserve"]["rates"]})
-    at_common = None
-    if common:
-        rate = common[-1]
-        mp = next(r for r in per["paged"]["rates"] if r["rate"] == rate)["batched_tokens"]
-        mr = next(r for r in per["reserve"]["rates"] if r["rate"] == rate)["batched_tokens"]
-        at_common = {"rate": rate, "paged": mp["median"], "reserve": mr["median"],
-                     "ratio": mp["median"] / mr["median"] if mr["median"] else None}
-    return {
-        "sustained_rate_paged_over_reserve_at_least_2x": {
-            "value": {"interpolated": ratio, "swept_grid": grid,
-                      "paged": cp, "reserve": cr},
-            "met": ratio is not None and ratio >= 2.0,
-        },
-        "median_batched_tokens_paged_over_reserve_at_least_2x": {
-            "value": {"ratio": med, "paged": hp["median"], "reserve": hr["median"],
-                      "paged_rate": hp["rate"], "reserve_rate": hr["rate"],
-                      "at_highest_common_rate": at_common},
-            "met": med is not None and med >= 2.0,
-        },
-    }
-
-
-# --------------------------------------------------------------------------- markdown
-def _f(x: Any, nd: int = 3) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
-
-
-def _markdown(doc: dict[str, Any]) -> str:
-    o = doc["options"]
-    out = [
-        "# Serving: request-rate sweep over HTTP, paged against reserve",
-        "",
-        "Produced by (the JSON beside this file holds every number, per request too):",
-        "",
-        "```",
-        doc["command"],
-        "```",
-        "",
-        f"Workload: {doc['workload']}; "
-        + (f"arrivals over {o['duration_s']:g} s at every rate (rate x {o['duration_s']:g} "
-           f"requests, at least {o['min_requests']})" if o["duration_s"] else
-           f"{o['num_requests']} requests per rate")
-        + "; Gamma arrivals "
-        f"(burstiness {o['burstiness']:g}: Poisson), token-id prompts, `max_tokens` = the "
-        "sampled output length with `ignore_eos`, streamed from `/v1/completions` and timed "
-        "per server-sent event. Normalised latency = E2E / output tokens, mean over requests "
-        f"(the paper's metric); SLO {doc['slo_normalized_latency_s']:g} s/token. "
-        f"{doc['machine']}; {doc['wall_seconds']:.0f} s wall"
-        + (" (`--quick`)." if doc["quick"] else "."),
-        "",
-    ]
-    for name, p in doc["policies"].items():
-        cap = p["capacity"]
-        out += [
-            f"## `{name}`",
-            "",
-            f"Server: `{p['server_command'] or o['url']}` (model `{p['model']}`).",
-            "",
-            f"Highest swept rate meeting the SLO: **{_f(cap['max_rate_meeting_slo'], 2)}** "
-            f"req/s (interpolated crossing {_f(cap['interpolated'], 2)})"
-            + (f"; {cap['note']}" if cap["note"] else "") + ".",
-            "",
-            md_table(
-                ["rate", "done", "req/s", "out tok/s", "E2E mean / P99 (s)",
-                 "norm. lat. mean / P99 (s/tok)", "TTFT P50 / P99 (s)",
-                 "TPOT P50 / P99 (ms)", "ITL P99 (ms)", "preempt.",
-                 "batched tok/step P10 / P50 / P90 (while arriving)", "peak conc."],
-                [[f"{r['rate']:g}", f"{r['completed']}/{r['num_requests']}",
-                  _f(r["request_throughput"], 2), _f(r["output_throughput"], 0),
-                  f"{_f(r['e2e_mean'], 1)} / {_f(r['e2e_p99'], 1)}",
-                  f"{_f(r['normalized_latency_mean'])} / {_f(r['normalized_latency_p99'])}",
-                  f"{_f(r['ttft_p50'], 2)} / {_f(r['ttft_p99'], 2)}",
-                  f"{_ms(r['tpot_p50'])} / {_ms(r['tpot_p99'])}", _ms(r["itl_p99"]),
-                  f"{r['preemptions']:.0f}",
-                  f"{_f(r['batched_tokens']['p10'], 1)} / "
-                  f"{_f(r['batched_tokens']['median'], 1)} / "
-                  f"{_f(r['batched_tokens']['p90'], 1)}",
-                  str(r["peak_concurrency"])]
-                 for r in p["rates"]],
-            ),
-            "",
-        ]
-    if doc["targets"]:
-        t1 = doc["targets"]["sustained_rate_paged_over_reserve_at_least_2x"]
-        t2 = doc["targets"]["median_batched_tokens_paged_over_reserve_at_least_2x"]
-        v1, v2 = t1["value"], t2["value"]
-        out += [
-            "## Targets",
-            "",
-            md_table(["target", "measured", "met"], [
-                ["paged sustains >= 2x the rate of reserve under the SLO",
-                 f"{_f(v1['interpolated'], 2)}x interpolated ({_f(v1['swept_grid'], 2)}x on "
-                 "the swept grid)", "yes" if t1["met"] else "**no**"],
-                ["median batched tokens per step under load >= 2x reserve",
-                 f"{_f(v2['ratio'], 2)}x ({_f(v2['paged'], 1)} at {v2['paged_rate']:g} req/s "
-                 f"vs {_f(v2['reserve'], 1)} at {v2['reserve_rate']:g} req/s, each policy's "
-                 "highest rate)" + _common(v2["at_highest_common_rate"]),
-                 "yes" if t2["met"] else "**no**"],
-            ]),
-            "",
-        ]
-    out += ["Batched tokens per step come from the server's "
-            "`pagedserve_batched_tokens_per_step` histogram, scraped before the first request "
-            "of a rate and right after its last request was sent (the load window; the JSON "
-            "also has the whole run, drain included). Quantiles are interpolated inside the "
-            "histogram's buckets. A policy's higher rates are skipped after "
-            f"{o['stop_after_violations']} consecutive rates miss the SLO.", "",
-            "Plots: `serving_latency.png` (mean and P99 normalised latency against rate), "
-            "`serving_batched_tokens.png` (tokens per step at each policy's highest rate).",
-            ""]
-    return "\n".join(out)
-
-
-def _common(c: dict[str, Any] | None) -> str:
-    if not c:
-        return ""
-    return (f"; at {c['rate']:g} req/s, the highest rate both ran: {_f(c['paged'], 1)} vs "
-            f"{_f(c['reserve'], 1)} ({_f(c['ratio'], 2)}x)")
-
-
-def _ms(x: Any) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{1000 * x:.0f}"
-
