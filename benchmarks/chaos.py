@@ -210,15 +210,17 @@ def main() -> int:
             _storm(url, plans, args.concurrency, args.clients // 3, kill))
         storm_s = time.monotonic() - t_storm
         with httpx.Client(base_url=url, timeout=120) as http:
+            # Idle, and the engine's integrity check has run since the storm ended.
+            checks = _metrics(http.get("/metrics").text).get("kv_cache_integrity_checks_total", 0)
             deadline, idle = time.monotonic() + 60, {}
             while time.monotonic() < deadline:
                 idle = _metrics(http.get("/metrics").text)
                 if (idle.get("num_requests_running") == 0 and idle.get("num_requests_waiting")
-                        == 0 and idle.get("kv_cache_blocks_used") == 0):
+                        == 0 and idle.get("kv_cache_blocks_used") == 0
+                        and idle.get("kv_cache_integrity_checks_total", 0) > checks):
                     break
                 time.sleep(0.1)
             after = http.post("/v1/completions", json=GREEDY_PROBE).json()["choices"][0]["text"]
-            idle = _metrics(http.get("/metrics").text)
         drops = {k: v for k, v in outcomes.items() if k.startswith("drop")}
         report = {
             "clients": args.clients, "num_gpu_blocks": args.num_gpu_blocks,

@@ -127,6 +127,7 @@ class EngineCore:
         self._time_schedule = 0.0
         self._time_execute = 0.0
         self._kv_integrity_ok = 1
+        self._kv_checks = 0
 
     def _new_scheduler(self, step_hooks: list[StepHook]) -> Scheduler:
         sched = self.config.scheduler
@@ -263,8 +264,6 @@ class EngineCore:
                 deltas.append(delta)
             if group.finished:
                 del self._groups[gid]
-        if not self._groups:
-            self._check_idle_kv()
         # The controller's share of a step (schedule + bookkeeping) against the workers'.
         self._time_execute += t2 - t1
         self._time_schedule += (t1 - t0) + (time.perf_counter() - t2)
@@ -358,9 +357,13 @@ class EngineCore:
         return True
 
     # -------------------------------------------------------------------- misc
-    def _check_idle_kv(self) -> None:
-        """Each time the engine runs dry, every block must be back: check the KV manager's
-        invariants once (cheap then) and publish the verdict in the stats."""
+    def check_idle_kv(self) -> None:
+        """With nothing in flight every block must be back: check the KV manager's invariants
+        and publish the verdict in the stats. O(blocks): the loop calls it once per idle spell,
+        when no command waits, never from a step."""
+        if self._groups:
+            return
+        self._kv_checks += 1
         try:
             self.kv.check_integrity()
             self._kv_integrity_ok = int(self.kv.num_free_blocks == self.kv_layout.num_blocks - 1)
@@ -380,7 +383,8 @@ class EngineCore:
         stats["kv_capacity_tokens"] = stats["kv_blocks_total"] * self.kv.block_size
         stats["time_schedule_s"] = self._time_schedule
         stats["time_execute_s"] = self._time_execute
-        stats["kv_integrity_ok"] = self._kv_integrity_ok  # as of the last time it ran dry
+        stats["kv_integrity_ok"] = self._kv_integrity_ok  # as of the last idle check
+        stats["kv_integrity_checks"] = self._kv_checks
         return stats
 
     def add_step_hook(self, hook: StepHook) -> None:

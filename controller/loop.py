@@ -72,6 +72,7 @@ class EngineLoop:
         self._max_pending = engine.config.scheduler.max_pending_requests
         self._queued_adds = 0  # adds submitted and not yet applied (any thread: under a lock)
         self._lock = threading.Lock()
+        self._idle_checked = True  # the KV check of this idle spell has run
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
 
@@ -140,10 +141,19 @@ class EngineLoop:
                 cmds.append(self._commands.get_nowait())
         except queue.Empty:
             pass
+        if not block:
+            self._idle_checked = False
+        elif not cmds and not self._idle_checked:
+            # Idle and nobody waiting: the moment for the O(blocks) check, off the step path.
+            self.engine.check_idle_kv()
+            self._stats = dict(self.engine.stats())
+            self._idle_checked = True
         running = True
-        for cmd in cmds:
+        for i, cmd in enumerate(cmds):
             if cmd is None:
                 running = False
+                for rest in cmds[i + 1 :]:  # queued behind the stop: refused by _fail_all
+                    self._commands.put(rest)
                 break
             conn, msg = cmd
             if isinstance(msg, AddRequest):

@@ -51,8 +51,10 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("num_preemptions", "num_preemptions", "Requests preempted by recompute.", "counter"),
     ("num_steps", "engine_steps", "Engine steps run.", "counter"),
     ("kv_integrity_ok", "kv_cache_integrity_ok",
-     "1 if the KV manager's invariants held (and every block was free) when it last ran dry.",
+     "1 if the KV manager's invariants held (and every block was free) at the last idle check.",
      "gauge"),
+    ("kv_integrity_checks", "kv_cache_integrity_checks",
+     "KV-manager integrity checks run (one per idle spell of the engine).", "counter"),
 )
 
 

@@ -106,3 +106,38 @@ def test_the_loop_is_bounded_and_refuses_adds_beyond_it(kit) -> None:
         assert ok.done.wait(10)
     finally:
         client.shutdown()
+
+
+def test_the_loop_checks_the_kv_manager_once_per_idle_spell(kit) -> None:
+    import time
+
+    engine = kit.make_engine()
+    client = LocalEngineClient(EngineLoop(engine.core), "fake")
+
+    def after_idle_check(checks: int) -> dict:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = client.stats()
+            if stats["kv_integrity_checks"] > checks and stats["num_running"] == 0:
+                return stats
+            time.sleep(0.01)
+        raise AssertionError("no idle check ran")
+
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        first = Collector()
+        add(client, "a", [3, 4, 5], params, first)
+        assert first.done.wait(10)
+        stats = after_idle_check(0)
+        assert stats["kv_integrity_ok"] == 1
+        checks = stats["kv_integrity_checks"]
+        # A block that never comes back: the next idle check reports it.
+        engine.kv.pool.get_new_blocks(1)
+        second = Collector()
+        add(client, "b", [6, 7], params, second)
+        assert second.done.wait(10)
+        stats = after_idle_check(checks)
+        assert stats["kv_integrity_ok"] == 0
+        assert stats["kv_integrity_checks"] == checks + 1  # once per idle spell, not per poll
+    finally:
+        client.shutdown()
