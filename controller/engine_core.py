@@ -66,6 +66,11 @@ class _Group:
         cached = self.parent.num_cached_tokens if self.parent is not None else -1
         return max(0, cached, *(s.num_cached_tokens for s in self.seqs))
 
+    def seq_ids(self) -> list[str]:
+        """Every scheduler id of the request: the fork parent (if unforked) and its seqs."""
+        parent = [self.parent.request_id] if self.parent is not None else []
+        return parent + [s.request_id for s in self.seqs]
+
     def delta(self) -> RequestDelta | None:
         comps = [d for s in self.seqs if (d := take_delta(s)) is not None]
         # Every sequence of the group (and its fork parent) shares one prompt-logprobs list.
@@ -213,10 +218,7 @@ class EngineCore:
         group = self._groups.pop(request_id, None)
         if group is None:
             return None
-        ids = [s.request_id for s in group.seqs]
-        if group.parent is not None:
-            ids.insert(0, group.parent.request_id)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
         return group.delta()
 
     # --------------------------------------------------------------------- step
@@ -288,10 +290,7 @@ class EngineCore:
         if group is None:  # not a user request: drop it all the same
             sched.finish_requests([head.request_id], RequestStatus.FINISHED_ABORTED)
             return []
-        ids = [s.request_id for s in group.seqs]
-        if group.parent is not None:
-            ids.insert(0, group.parent.request_id)
-        sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        sched.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
         return [failed_delta(group.request_id, [s.index for s in group.seqs], reason)]
 
     # ------------------------------------------------------------------- faults
