@@ -27,9 +27,11 @@ from pagedserve.kernels.cp_layout import (
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
 from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
 from pagedserve.kernels.reference import (
+    AttentionPlan,
     copy_blocks_ref,
     merge_attn_states_ref,
     paged_attention_ref,
+    plan_paged_attention,
     reshape_and_cache_ref,
 )
 
@@ -64,12 +66,28 @@ def paged_attention(
     cp: CPLayout = NO_CP,
     return_lse: bool = False,
     num_kv_splits: int | None = None,
+    plans: dict[tuple, AttentionPlan] | None = None,
 ) -> torch.Tensor | None:
-    """Varlen causal paged attention; see ``paged_attention_ref``."""
-    impl = triton_paged_attention if _use_triton(q, q.shape[-1]) else paged_attention_ref
-    return impl(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-                sliding_window=sliding_window, cp=cp, return_lse=return_lse,
-                num_kv_splits=num_kv_splits)
+    """Varlen causal paged attention; see ``paged_attention_ref``. ``plans`` caches the torch
+    path's :class:`AttentionPlan` for this metadata (keyed by window and layout), so that every
+    layer of a step after the first reuses it; the Triton path needs none."""
+    if _use_triton(q, q.shape[-1]):
+        return triton_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
+                                      softmax_scale, sliding_window=sliding_window, cp=cp,
+                                      return_lse=return_lse, num_kv_splits=num_kv_splits)
+    plan = None
+    if plans is not None:
+        key = (sliding_window, cp, tuple(kv_cache.shape[2:]), q.shape[1], q.dtype)
+        plan = plans.get(key)
+        if plan is None:
+            cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            plan = plans[key] = plan_paged_attention(
+                cu_seqlens_q, seq_lens, block_table, block_size=kv_cache.shape[2],
+                num_kv_heads=kv_cache.shape[3], num_q_heads=q.shape[1], head_dim=q.shape[2],
+                sliding_window=sliding_window, cp=cp, dtype=cdtype)
+    return paged_attention_ref(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
+                               softmax_scale, sliding_window=sliding_window, cp=cp,
+                               return_lse=return_lse, plan=plan)
 
 
 def merge_attn_states(
@@ -91,6 +109,7 @@ def copy_blocks(
 
 
 __all__ = [
+    "AttentionPlan",
     "CPLayout",
     "KernelArgumentError",
     "KernelDtypeError",
@@ -104,6 +123,7 @@ __all__ = [
     "merge_attn_states_ref",
     "paged_attention",
     "paged_attention_ref",
+    "plan_paged_attention",
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "triton_copy_blocks",

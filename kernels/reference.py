@@ -6,12 +6,15 @@ together; a long prefill is cut into query chunks to bound the score matrix), ga
 group's K and V through the block table with one ``index_select`` of D-element rows straight
 into ``[S, H_kv, N, D]``, and runs batched matmuls, or the fused
 ``scaled_dot_product_attention`` when no LSE is needed. Math is float32 (float64 for float64).
+The batching, the indices and the masks depend on the step's metadata only: an
+``AttentionPlan`` holds them, so the engine builds them once per step, not once per layer.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +51,11 @@ def reshape_and_cache_ref(
     kv_cache[blk, 1, off] = value[keep]
 
 
-def _attend_group(
+def _attend(
     q: torch.Tensor,  # [S, Q, H_q, D], compute dtype
-    k: torch.Tensor,  # [S, H_kv, N, D], compute dtype, contiguous
-    v: torch.Tensor,  # [S, H_kv, N, D], compute dtype, contiguous
-    visible: torch.Tensor,  # [S, Q, N], bool
+    k: torch.Tensor,  # [S, H_kv, N, D], compute dtype
+    v: torch.Tensor,  # [S, H_kv, N, D], compute dtype
+    bias: torch.Tensor,  # [S, 1, G*Q, N], compute dtype: 0 where visible, -inf elsewhere
     scale: float,
     need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,14 +65,13 @@ def _attend_group(
     g = hq // hkv
     # GQA without repeating K/V: fold the group's heads into the query rows of one kv head.
     qh = q.reshape(s, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * nq, d)
-    mask = visible.unsqueeze(1).expand(s, g, nq, -1).reshape(s, 1, g * nq, -1)
     if not need_lse:
         # Every row sees at least its own key here, so the fused kernel never meets an empty row.
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+        # An additive float mask keeps SDPA on its fused CPU kernel (a bool mask is ~4x slower).
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=bias, scale=scale)
         lse = None
     else:
-        scores = torch.matmul(qh, k.transpose(-1, -2)) * scale  # [S, H_kv, G*Q, N]
-        scores = scores.masked_fill_(~mask, -math.inf)
+        scores = torch.matmul(qh, k.transpose(-1, -2)).mul_(scale).add_(bias)  # [S, H_kv, G*Q, N]
         lse = torch.logsumexp(scores, dim=-1)  # [S, H_kv, G*Q]; -inf where nothing is visible
         safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         probs = torch.exp_(scores.sub_(safe.unsqueeze(-1)))
@@ -79,23 +81,49 @@ def _attend_group(
     return o, lse
 
 
-def _run_items(
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """One batched attention call over S items, padded to Q queries and N keys each."""
+
+    rows: torch.Tensor  # [S, Q] int64 token row of each query; padding repeats a real row
+    q_ok: torch.Tensor  # [S, Q] bool, real queries
+    out_rows: torch.Tensor  # [R] int64, rows[q_ok]
+    k_rows: torch.Tensor  # [S * H_kv * N] int64 rows of kv_cache.view(-1, D) holding the keys
+    bias: torch.Tensor  # [S, 1, G * Q, N] additive mask in the compute dtype
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """What ``paged_attention_ref`` derives from the step's metadata alone: the batching of the
+    sequences, the K/V row indices through the block table and the causal/window masks.
+
+    Built once per step and KV-cache group and shared by every layer of the group, whose calls
+    differ only in ``q``, ``out`` and the layer's ``kv_cache`` (same shape)."""
+
+    num_tokens: int
+    block_size: int
+    num_kv_heads: int
+    num_q_heads: int
+    sliding_window: int | None
+    cp: CPLayout
+    dtype: torch.dtype
+    launches: tuple[_Launch, ...]
+
+
+def _plan_launch(
     items: list[tuple[int, int, int]],  # (seq, first new-token index, count)
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    out: torch.Tensor,
-    lse_out: torch.Tensor | None,
     cu: list[int],
     lens: list[int],
     block_table: torch.Tensor,
-    scale: float,
+    bs: int,
+    hkv: int,
+    group: int,
     window: int | None,
     cp: CPLayout,
     cdtype: torch.dtype,
-) -> None:
+) -> _Launch:
     rank, size, inter = cp.rank, cp.size, cp.interleave
-    dev = q.device
-    bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    dev = block_table.device
     max_blocks = block_table.shape[1]
     seq_idx = torch.tensor([it[0] for it in items], device=dev)
     q_first = torch.tensor([it[1] for it in items], device=dev)  # [S]
@@ -113,8 +141,8 @@ def _run_items(
         j_lo = cp_local_seq_len((ctx + q_first - window + 1).clamp(min=0), rank, size, inter)
     else:
         j_lo = torch.zeros_like(j_hi)
-    # Gather the blocks covering [j_lo, j_hi) straight into [S, H_kv, N, D] (N = nb * B): one
-    # index_select of D-element rows per tensor, no separate layout copy.
+    # The blocks covering [j_lo, j_hi), read as D-element rows straight into [S, H_kv, N, D]
+    # (N = nb * B) by one index_select per tensor: no separate layout copy.
     b_lo = j_lo // bs
     b_hi = (j_hi + bs - 1) // bs
     nb = max(int((b_hi - b_lo).max()), 1)
@@ -125,9 +153,6 @@ def _run_items(
     heads = torch.arange(hkv, device=dev).view(1, hkv, 1, 1)
     offs = torch.arange(bs, device=dev).view(1, 1, 1, bs)
     k_rows = ((ids.view(ns, 1, nb, 1) * 2 * bs + offs) * hkv + heads).reshape(-1)  # K at index 0
-    rows_of = kv_cache.view(-1, d)  # [num_blocks * 2 * B * H_kv, D]
-    k = rows_of.index_select(0, k_rows).view(ns, hkv, nb * bs, d).to(cdtype)
-    v = rows_of.index_select(0, k_rows + bs * hkv).view(ns, hkv, nb * bs, d).to(cdtype)
     j = (b_lo * bs).unsqueeze(1) + torch.arange(nb * bs, device=dev)  # [S, N] local indices
     key_ok = (j >= j_lo.unsqueeze(1)) & (j < j_hi.unsqueeze(1))
     key_pos = cp_global_position(j, rank, bs, size, inter)  # [S, N]
@@ -140,10 +165,68 @@ def _run_items(
         visible &= key_pos.unsqueeze(1) > (q_pos - window).unsqueeze(2)
     # Padding query rows get one visible key so the fused path never sees an empty row.
     visible[:, :, 0] |= ~q_ok
-    o, lse = _attend_group(q[rows].to(cdtype), k, v, visible, scale, lse_out is not None)
-    out[rows[q_ok]] = o[q_ok].to(out.dtype)
-    if lse_out is not None and lse is not None:
-        lse_out[rows[q_ok]] = lse[q_ok].to(lse_out.dtype)
+    mask = visible.unsqueeze(1).expand(ns, group, nq, -1).reshape(ns, 1, group * nq, -1)
+    bias = torch.zeros(mask.shape, dtype=cdtype, device=dev).masked_fill_(~mask, -math.inf)
+    return _Launch(rows, q_ok, rows[q_ok], k_rows, bias)
+
+
+def plan_paged_attention(
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32
+    block_table: torch.Tensor,  # [num_seqs, max_blocks], int32
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    num_q_heads: int,
+    head_dim: int,
+    sliding_window: int | None = None,
+    cp: CPLayout = NO_CP,
+    dtype: torch.dtype = torch.float32,
+) -> AttentionPlan:
+    """The plan ``paged_attention_ref`` follows for this metadata (``dtype`` is the compute dtype:
+    float64 for float64 inputs, float32 otherwise)."""
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    lens = [int(x) for x in seq_lens.tolist()]
+    for s in range(len(lens)):
+        if cu[s + 1] - cu[s] > lens[s]:
+            raise KernelArgumentError(
+                f"sequence {s} has {cu[s + 1] - cu[s]} new tokens but length {lens[s]}"
+            )
+    hq, hkv = num_q_heads, num_kv_heads
+    batches: list[list[tuple[int, int, int]]] = []
+    # Decodes (and other short query runs) are padded into batches of similar key counts (the
+    # padding costs gathers and FLOPs); longer query runs are cut into chunks.
+    small: list[tuple[int, int]] = []  # (keys to read, seq)
+    for s, length in enumerate(lens):
+        q_len = cu[s + 1] - cu[s]
+        if q_len == 0:
+            continue
+        if q_len <= _SMALL_Q:
+            small.append((min(length, (sliding_window or length) + q_len) // cp.size + 1, s))
+            continue
+        chunk = max(1, _SCORE_BUDGET // max(1, hq * (length // cp.size + 1)))
+        batches.extend([(s, first, min(chunk, q_len - first))] for first in range(0, q_len, chunk))
+    small.sort(reverse=True)
+    group: list[tuple[int, int, int]] = []
+    group_keys, group_q = 0, 0
+    for keys, s in small:
+        q_len = cu[s + 1] - cu[s]
+        width = max(hq * max(group_q, q_len), 2 * hkv * head_dim)  # per-key cost
+        if group and ((len(group) + 1) * group_keys * width > _SCORE_BUDGET
+                      or 2 * keys < group_keys):
+            batches.append(group)
+            group, group_keys, group_q = [], 0, 0
+        group.append((s, 0, q_len))
+        group_keys, group_q = max(group_keys, keys), max(group_q, q_len)
+    if group:
+        batches.append(group)
+    launches = tuple(
+        _plan_launch(items, cu, lens, block_table, block_size, hkv, hq // hkv, sliding_window,
+                     cp, dtype)
+        for items in batches
+    )
+    return AttentionPlan(cu[-1] if cu else 0, block_size, hkv, hq, sliding_window, cp, dtype,
+                         launches)
 
 
 def paged_attention_ref(
@@ -159,6 +242,7 @@ def paged_attention_ref(
     cp: CPLayout = NO_CP,
     return_lse: bool = False,
     num_kv_splits: int | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor | None:
     """Causal varlen attention of new tokens over their sequences' paged KV.
 
@@ -168,56 +252,38 @@ def paged_attention_ref(
     ``cp_layout``). Rows of ``out`` past ``cu_seqlens_q[-1]`` (padding) are left unspecified,
     their LSE is -inf. ``num_kv_splits`` is a tuning hint for the Triton path (``None`` lets it
     choose; the split-KV path merges partial results with the LSE rule) and is ignored here.
+    ``plan`` is :func:`plan_paged_attention` of the same metadata, built once and reused by
+    every layer; without it the call builds its own.
 
     Returns:
         The natural-log LSE ``[T_q, H_q]`` float32 if ``return_lse`` (``-inf`` where a query sees
         no key; its output row is 0), else None.
     """
     del num_kv_splits
-    check_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale,
-                          sliding_window, cp)
-    hq, d = q.shape[1], q.shape[2]
+    _, bs, hkv, d, hq, _ = check_paged_attention(
+        q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window, cp)
     cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if plan is None:
+        plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_table, block_size=bs,
+                                    num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
+                                    sliding_window=sliding_window, cp=cp, dtype=cdtype)
+    elif plan.num_tokens > q.shape[0] or (
+        plan.block_size, plan.num_kv_heads, plan.num_q_heads, plan.sliding_window, plan.cp,
+        plan.dtype) != (bs, hkv, hq, sliding_window, cp, cdtype):
+        raise KernelArgumentError("the attention plan was built for other shapes or settings")
     lse_out = torch.full((q.shape[0], hq), -math.inf, dtype=torch.float32, device=q.device)
     # Without CP every query sees its own key, so the fused SDPA path is safe when no LSE is
     # asked for; with CP a rank may hold no visible key for a query (empty row).
     need_lse = return_lse or cp.size > 1
-    cu = [int(x) for x in cu_seqlens_q.tolist()]
-    lens = [int(x) for x in seq_lens.tolist()]
-    for s in range(len(lens)):
-        if cu[s + 1] - cu[s] > lens[s]:
-            raise KernelArgumentError(
-                f"sequence {s} has {cu[s + 1] - cu[s]} new tokens but length {lens[s]}"
-            )
-    args = (q, kv_cache, out, lse_out if need_lse else None, cu, lens, block_table,
-            float(softmax_scale), sliding_window, cp, cdtype)
-    # Decodes (and other short query runs) are padded into batches of similar key counts (the
-    # padding costs gathers and FLOPs); longer query runs are cut into chunks.
-    small: list[tuple[int, int]] = []  # (keys to read, seq)
-    for s, length in enumerate(lens):
-        q_len = cu[s + 1] - cu[s]
-        if q_len == 0:
-            continue
-        if q_len <= _SMALL_Q:
-            small.append((min(length, (sliding_window or length) + q_len) // cp.size + 1, s))
-            continue
-        chunk = max(1, _SCORE_BUDGET // max(1, hq * (length // cp.size + 1)))
-        for first in range(0, q_len, chunk):
-            _run_items([(s, first, min(chunk, q_len - first))], *args)
-    small.sort(reverse=True)
-    group: list[tuple[int, int, int]] = []
-    group_keys, group_q = 0, 0
-    for keys, s in small:
-        q_len = cu[s + 1] - cu[s]
-        width = max(hq * max(group_q, q_len), 2 * kv_cache.shape[3] * d)  # per-key cost
-        if group and ((len(group) + 1) * group_keys * width > _SCORE_BUDGET
-                      or 2 * keys < group_keys):
-            _run_items(group, *args)
-            group, group_keys, group_q = [], 0, 0
-        group.append((s, 0, q_len))
-        group_keys, group_q = max(group_keys, keys), max(group_q, q_len)
-    if group:
-        _run_items(group, *args)
+    rows_of = kv_cache.view(-1, d)  # [num_blocks * 2 * B * H_kv, D]
+    for la in plan.launches:
+        ns, n = la.bias.shape[0], la.bias.shape[-1]
+        k = rows_of.index_select(0, la.k_rows).view(ns, hkv, n, d).to(cdtype)
+        v = rows_of.index_select(0, la.k_rows + bs * hkv).view(ns, hkv, n, d).to(cdtype)
+        o, lse = _attend(q[la.rows].to(cdtype), k, v, la.bias, float(softmax_scale), need_lse)
+        out[la.out_rows] = o[la.q_ok].to(out.dtype)
+        if need_lse and lse is not None:
+            lse_out[la.out_rows] = lse[la.q_ok].float()
     return lse_out if return_lse else None
 
 

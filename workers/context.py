@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.kernels import NO_CP, CPLayout
+from pagedserve.kernels import NO_CP, AttentionPlan, CPLayout
 
 
 @dataclass(slots=True)
@@ -23,6 +23,8 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [R, max_blocks] int32, kernel block ids
     seq_lens: torch.Tensor  # [R] int32, tokens incl. this step's
     cu_seqlens_q: torch.Tensor  # [R + 1] int32, query offsets into the T tokens
+    plans: dict[tuple, AttentionPlan] = field(default_factory=dict)
+    """The CPU attention path's plans for this step, built by the group's first layer."""
 
 
 @dataclass(slots=True)

@@ -62,6 +62,21 @@ def _endpoint_address(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _group_ranks_on_node(node_id: str) -> int:
+    """How many ranks of this actor's worker group (its placement group) share its node."""
+    pg = ray.util.get_current_placement_group()
+    if pg is None:
+        return 1
+    nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+    return max(1, sum(1 for n in nodes.values() if n == node_id))
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def controller_reachable(endpoint: str, timeout_s: float = 2.0) -> bool:
     """Whether something still accepts TCP connections on the controller's step endpoint.
 
@@ -89,6 +104,11 @@ class RayWorker:
         self.node_ip = ray.util.get_node_ip_address()
         self._stop = threading.Event()
         self._worker: Any = Worker(config, rank=rank)
+        if self._worker.device.type == "cpu":
+            from pagedserve.workers.cpu_process import share_cores
+
+            threads = share_cores(_group_ranks_on_node(self.node_id))
+            logger.info("rank %d computes on %d CPU threads", rank, threads)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -101,6 +121,7 @@ class RayWorker:
             "pid": os.getpid(),
             "gpu_ids": sorted(int(i) for i in ids),
             "device": str(self._worker.device),
+            "torch_threads": _torch_threads(),
         }
 
     def open_store(self, host: str) -> int:

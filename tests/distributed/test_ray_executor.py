@@ -40,6 +40,7 @@ from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.executor import LocalExecutor, WorkerGroupError
 from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.messages import SamplingParams
+from pagedserve.workers.cpu_process import usable_cpus
 from pagedserve.workers.ray_worker import controller_reachable
 
 MAX_NEW = 16
@@ -165,6 +166,9 @@ def test_tp2_matches_tp1_and_transformers(ray_local, ckpt_root, request):
     table = engine.executor.rank_table
     assert [s.rank for s in table] == [0, 1]
     assert {s.node_id for s in table} == {ray.get_runtime_context().get_node_id()}
+    # Ray starts a 1-CPU actor with one OpenMP thread; each rank takes half the machine instead.
+    infos = ray.get([a.node_info.remote() for a in engine.executor._actors])
+    assert [i["torch_threads"] for i in infos] == [max(1, usable_cpus() // 2)] * 2
 
 
 def test_tp4_with_four_kv_heads(ray_local, ckpt_root, request):

@@ -27,6 +27,8 @@ from pagedserve.kernels import (
     merge_attn_states,
     paged_attention,
     paged_attention_ref,
+    plan_paged_attention,
+    reshape_and_cache_ref,
     triton_merge_attn_states,
     triton_paged_attention,
 )
@@ -75,6 +77,34 @@ def test_reference_matches_dense(kh, block_size, group, h_kv, d, window) -> None
     assert paged_attention_ref(b.q, b.caches[0], out, b.cu_seqlens_q, b.seq_lens, b.block_table,
                                b.scale, sliding_window=window) is None
     assert kh.rel_err(out, want[0]) <= kh.TOL[torch.float32]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_one_plan_serves_every_layer(kh, window) -> None:
+    """The engine builds the torch path's plan once per step (the first layer, through the
+    ``plans`` cache) and every later layer reuses it with its own q and KV pool: each layer's
+    result must still equal float64 dense attention over that layer's own data."""
+    q_lens, seq_lens = _mix(16)
+    layers = [kh.make_batch(q_lens, seq_lens, 16, 2, 4, 64, seed=s) for s in (1, 2)]
+    # Same metadata, other data: the second layer reads the first's block table.
+    layers[1].block_table.copy_(layers[0].block_table)
+    for r, n in enumerate(seq_lens):
+        k, v = layers[1].keys[r], layers[1].values[r]
+        pos = torch.arange(n)
+        slot = layers[0].block_table[r, pos // 16].long() * 16 + pos % 16
+        reshape_and_cache_ref(k, v, layers[1].caches[0], slot)
+    plans: dict = {}
+    for b in layers:
+        got = _run(paged_attention, b, plans=plans, sliding_window=window)
+        _assert_close(kh, got, kh.dense_attention(b, window))
+    assert len(plans) == 1
+    plan = next(iter(plans.values()))
+    with pytest.raises(KernelArgumentError, match="plan"):
+        _run(paged_attention_ref, layers[0], plan=plan, sliding_window=3)
+    other = plan_paged_attention(layers[0].cu_seqlens_q, layers[0].seq_lens,
+                                 layers[0].block_table, block_size=16, num_kv_heads=2,
+                                 num_q_heads=8, head_dim=64, sliding_window=window)
+    assert len(other.launches) == len(plan.launches)
 
 
 @pytest.mark.parametrize("dtype,d", [

@@ -66,6 +66,7 @@ class PagedAttention(nn.Module):
             sliding_window=self.sliding_window,
             cp=ctx.cp,
             return_lse=w > 1,
+            plans=md.plans,
         )
         if w == 1:
             return out
