@@ -44,11 +44,16 @@ def reshape_and_cache_ref(
     check_reshape_and_cache(key, value, kv_cache, slot_mapping)
     bs = kv_cache.shape[2]
     slots = slot_mapping.long()
-    keep = slots >= 0
-    slots = slots[keep]
-    blk, off = slots // bs, slots % bs
-    kv_cache[blk, 0, off] = key[keep]
-    kv_cache[blk, 1, off] = value[keep]
+    if not bool((slots >= 0).all()):  # under CP; a boolean mask costs a scan, so only then
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    # Token rows of the cache viewed as [num_blocks * 2 * B, H_kv * D]: K of slot (blk, off) is
+    # row blk * 2B + off, its V B rows later. index_copy_ beats an advanced-index put here.
+    width = kv_cache.shape[3] * kv_cache.shape[4]
+    rows = kv_cache.view(kv_cache.shape[0] * 2 * bs, width)
+    dst = (slots // bs) * (2 * bs) + slots % bs
+    rows.index_copy_(0, dst, key.reshape(key.shape[0], width).to(rows.dtype))
+    rows.index_copy_(0, dst + bs, value.reshape(value.shape[0], width).to(rows.dtype))
 
 
 def _attend(
@@ -85,9 +90,9 @@ def _attend(
 class _Launch:
     """One batched attention call over S items, padded to Q queries and N keys each."""
 
-    rows: torch.Tensor  # [S, Q] int64 token row of each query; padding repeats a real row
-    q_ok: torch.Tensor  # [S, Q] bool, real queries
-    out_rows: torch.Tensor  # [R] int64, rows[q_ok]
+    rows: torch.Tensor  # [S * Q] int64 token row of each query; padding repeats a real row
+    ok_flat: torch.Tensor | None  # [R] int64 real queries among the S * Q; None: all are
+    out_rows: torch.Tensor  # [R] int64 their token rows
     k_rows: torch.Tensor  # [S * H_kv * N] int64 rows of kv_cache.view(-1, D) holding the keys
     bias: torch.Tensor  # [S, 1, G * Q, N] additive mask in the compute dtype
 
@@ -167,7 +172,9 @@ def _plan_launch(
     visible[:, :, 0] |= ~q_ok
     mask = visible.unsqueeze(1).expand(ns, group, nq, -1).reshape(ns, 1, group * nq, -1)
     bias = torch.zeros(mask.shape, dtype=cdtype, device=dev).masked_fill_(~mask, -math.inf)
-    return _Launch(rows, q_ok, rows[q_ok], k_rows, bias)
+    flat_ok = q_ok.reshape(-1)
+    ok_flat = None if bool(flat_ok.all()) else flat_ok.nonzero().squeeze(1)
+    return _Launch(rows.reshape(-1), ok_flat, rows[q_ok], k_rows, bias)
 
 
 def plan_paged_attention(
@@ -280,10 +287,18 @@ def paged_attention_ref(
         ns, n = la.bias.shape[0], la.bias.shape[-1]
         k = rows_of.index_select(0, la.k_rows).view(ns, hkv, n, d).to(cdtype)
         v = rows_of.index_select(0, la.k_rows + bs * hkv).view(ns, hkv, n, d).to(cdtype)
-        o, lse = _attend(q[la.rows].to(cdtype), k, v, la.bias, float(softmax_scale), need_lse)
-        out[la.out_rows] = o[la.q_ok].to(out.dtype)
+        nq = la.rows.shape[0] // ns
+        qs = q.index_select(0, la.rows).view(ns, nq, hq, d).to(cdtype)
+        o, lse = _attend(qs, k, v, la.bias, float(softmax_scale), need_lse)
+        o = o.reshape(ns * nq, hq, d)
+        if la.ok_flat is not None:
+            o = o.index_select(0, la.ok_flat)
+        out.index_copy_(0, la.out_rows, o.to(out.dtype))
         if need_lse and lse is not None:
-            lse_out[la.out_rows] = lse[la.q_ok].float()
+            lse = lse.reshape(ns * nq, hq)
+            if la.ok_flat is not None:
+                lse = lse.index_select(0, la.ok_flat)
+            lse_out.index_copy_(0, la.out_rows, lse.float())
     return lse_out if return_lse else None
 
 
