@@ -240,11 +240,13 @@ def report(args: argparse.Namespace, engines: list[str], rounds: list[dict[str, 
     for e in engines:
         tps = [tokens / r[e]["elapsed_s"] for r in rounds]
         ratios = [r[base]["elapsed_s"] / r[e]["elapsed_s"] for r in rounds]
-        same, share = agreement(rounds[0][e]["outputs"], ref["outputs"]) if ref else (0, 0.0)
-        agree = f"{same}/{len(work['prompts'])}" if ref else "-"
+        agree, prefix = "-", "-"
+        if ref:
+            same, share = agreement(rounds[0][e]["outputs"], ref["outputs"])
+            agree, prefix = f"{same}/{len(work['prompts'])}", f"{share:.1%}"
         lines.append(f"| {e} | {statistics.median(tps):.1f} | "
                      f"{', '.join(f'{t:.1f}' for t in tps)} | {statistics.median(ratios):.2f}x | "
-                     f"{agree} | {share:.1%} |")
+                     f"{agree} | {prefix} |")
     return "\n".join(lines) + "\n"
 
 
