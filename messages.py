@@ -126,6 +126,8 @@ class KVCacheLayout:
     num_blocks: int
     block_size: int
     groups: list[list[int]]
+    num_host_blocks: int = 0
+    """Blocks of the host-memory tier (same per-block shape, own ids); 0: no tier."""
 
 
 @dataclass(slots=True)
@@ -167,6 +169,12 @@ class SchedulerOutput:
     """Requests to drop from the workers' batches: finished, aborted or preempted."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """Copy-on-write ``(src, dst)`` block copies to run before the forward pass."""
+    blocks_to_host: list[tuple[int, int]] = field(default_factory=list)
+    """Host-tier ``(device src, host dst)`` copies (swap-outs, evicted prefix blocks); run
+    first, before ``blocks_to_device``."""
+    blocks_to_device: list[tuple[int, int]] = field(default_factory=list)
+    """Host-tier ``(host src, device dst)`` copies (swap-ins, host prefix hits); run after
+    ``blocks_to_host`` and before ``block_copies`` and the forward pass."""
 
 
 @dataclass(slots=True)
@@ -248,7 +256,7 @@ class StepFrame:
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
-    VERSION = 2
+    VERSION = 3
     HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
     STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
     STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop

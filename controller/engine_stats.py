@@ -1,0 +1,36 @@
+"""The engine core's stats snapshot: one flat dict for ``/metrics``, ``llm.stats()`` and the
+benchmarks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the core imports this module
+    from pagedserve.controller.engine_core import EngineCore
+
+__all__ = ["engine_stats"]
+
+
+def engine_stats(core: EngineCore) -> dict[str, int | float]:
+    """Scheduler counters, KV usage of both tiers, prefix-cache hits per tier (tokens)."""
+    stats: dict[str, int | float] = dataclasses.asdict(core.scheduler.stats())
+    kv = core.kv
+    stats["kv_blocks_total"] = core.kv_layout.num_blocks - 1  # without the null block
+    stats["kv_blocks_used"] = stats["kv_blocks_total"] - kv.num_free_blocks
+    # Token capacity grows with decode context parallelism: a block spans B x dcp tokens.
+    stats["kv_capacity_tokens"] = stats["kv_blocks_total"] * kv.block_size
+    pc = kv.prefix_cache_stats
+    stats["prefix_cache_device_hits"] = pc.device_hits
+    stats["prefix_cache_host_hits"] = pc.host_hits
+    host = kv.host
+    if host is not None:
+        stats["kv_host_blocks_total"] = host.num_usable_blocks
+        stats["kv_host_blocks_used"] = host.num_usable_blocks - host.num_free_blocks
+        for name, value in dataclasses.asdict(host.stats).items():
+            stats[f"kv_host_{name}"] = value
+    stats["time_schedule_s"] = core._time_schedule
+    stats["time_execute_s"] = core._time_execute
+    stats["kv_integrity_ok"] = core._kv_integrity_ok  # as of the last idle check
+    stats["kv_integrity_checks"] = core._kv_checks
+    return stats
