@@ -57,6 +57,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With ``prompt_logprobs`` asked for: per prompt position, ``{prompt token: logprob,
     top_1: logprob, ...}`` (the prompt token first); None at position 0."""
+    num_host_cached_tokens: int = 0
+    """Of ``num_cached_tokens``, those found in the host tier (copied back, not recomputed)."""
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class RequestDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """The prompt positions whose logprobs became known this step (``RequestOutput``'s
     ``prompt_logprobs``, in order, each sent once); None when there are none."""
+    num_host_cached_tokens: int = 0
 
 
 # --------------------------------------------------------------------------------------------

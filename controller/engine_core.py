@@ -85,6 +85,8 @@ class _Group:
         return RequestDelta(
             self.request_id, comps, self.finished, self.num_cached_tokens,
             prompt_logprobs=new_lps,
+            num_host_cached_tokens=max(0, *(s.num_host_cached_tokens for s in self.seqs),
+                                       self.parent.num_host_cached_tokens if self.parent else 0),
         )
 
 

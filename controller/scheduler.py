@@ -258,6 +258,8 @@ class Scheduler:
             req.num_computed_tokens = hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit
+                if hit_blocks is not None:
+                    req.num_host_cached_tokens = len(hit_blocks.host) * self.kv.block_size
             scheduled.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
