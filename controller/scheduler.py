@@ -291,7 +291,9 @@ class Scheduler:
         host tier (it resumes where it stopped) or, failing that, to start over."""
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
-        if not (self.preemption_mode == "swap" and self.kv.swap_out(req)):
+        # Swapping needs a next token to resume with; one with nothing left starts over.
+        swap = self.preemption_mode == "swap" and req.compute_limit > req.num_computed_tokens
+        if not (swap and self.kv.swap_out(req)):
             self.kv.free(req)
             req.num_computed_tokens = 0
         if req.num_sent_tokens:

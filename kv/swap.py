@@ -32,10 +32,18 @@ def swap_out(
     if rid not in managers[0].req_to_blocks:
         raise UnknownRequestError(rid)
     computed = request.num_computed_tokens
-    # Blocks that slid out of the window are released first: they need no copy.
+    keep = -(-computed // block_size)
+    # Blocks that slid out of the window need no copy; count without releasing them yet, so
+    # that a refusal changes nothing.
+    need = sum(
+        sum(1 for b in m.req_to_blocks[rid][m.num_skipped(rid, computed) : keep] if not b.is_null)
+        for m in managers
+    )
+    if need > host.num_free_blocks:
+        host.stats.swap_fallbacks += 1
+        return False
     for m in managers:
         m.remove_skipped_blocks(rid, computed)
-    keep = -(-computed // block_size)
     blocks = [m.req_to_blocks[rid][:keep] for m in managers]
     if not host.swap_out(rid, blocks, computed):
         return False

@@ -11,6 +11,8 @@ the step that allocated it.
 
 from __future__ import annotations
 
+import os
+
 from helpers.kv_requests import SimpleRequest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -141,6 +143,8 @@ class KVMachine(RuleBasedStateMachine):
         m = self.m
         assert m is not None
         if m.is_swapped(r.request_id):
+            if r.num_computed_tokens == r.num_tokens:
+                r.append_token_id(0)  # swapped right after sampling: the new token is next
             n = min(r.num_tokens - r.num_computed_tokens, chunk)
             before = snapshot(m)
             if m.swap_in(r, n) is None:
@@ -199,6 +203,8 @@ class KVMachine(RuleBasedStateMachine):
     def step(self, idx: int, chunk: int, token: int) -> None:
         """Continue a chunked prefill, or sample one token and decode it."""
         r = self.running[idx % len(self.running)]
+        if r.request_id in self.touched:
+            self._ship()  # a request is scheduled once per step: this is the next step
         if r.num_computed_tokens == r.num_tokens:
             if r.num_tokens >= MAX_LEN:
                 return self._finish(r)
@@ -314,7 +320,7 @@ class KVMachine(RuleBasedStateMachine):
 
 
 KVMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=int(os.environ.get("KV_SM_EXAMPLES", "150")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
