@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from pagedserve.kv.host_tier import HostTierStats
+
 if TYPE_CHECKING:  # the core imports this module
     from pagedserve.controller.engine_core import EngineCore
 
@@ -24,11 +26,13 @@ def engine_stats(core: EngineCore) -> dict[str, int | float]:
     stats["prefix_cache_device_hits"] = pc.device_hits
     stats["prefix_cache_host_hits"] = pc.host_hits
     host = kv.host
-    if host is not None:
-        stats["kv_host_blocks_total"] = host.num_usable_blocks
-        stats["kv_host_blocks_used"] = host.num_usable_blocks - host.num_free_blocks
-        for name, value in dataclasses.asdict(host.stats).items():
-            stats[f"kv_host_{name}"] = value
+    # Present without a tier too (zeros), so dashboards and alerts need no special case.
+    total = host.num_usable_blocks if host is not None else 0
+    stats["kv_host_blocks_total"] = total
+    stats["kv_host_blocks_used"] = total - host.num_free_blocks if host is not None else 0
+    tier_stats = host.stats if host is not None else HostTierStats()
+    for name, value in dataclasses.asdict(tier_stats).items():
+        stats[f"kv_host_{name}"] = value
     stats["time_schedule_s"] = core._time_schedule
     stats["time_execute_s"] = core._time_execute
     stats["kv_integrity_ok"] = core._kv_integrity_ok  # as of the last idle check
