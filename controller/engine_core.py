@@ -384,7 +384,11 @@ class EngineCore:
     def stats(self) -> dict[str, int | float]:
         """Running/waiting counts, KV usage of both tiers, prefix-cache queries and hits per
         tier (tokens), preemptions and swaps, timings; see ``engine_stats``."""
-        return engine_stats(self)
+        return engine_stats(self.scheduler.stats(), self.kv, self.kv_layout.num_blocks, {
+            "time_schedule_s": self._time_schedule, "time_execute_s": self._time_execute,
+            # As of the last idle check.
+            "kv_integrity_ok": self._kv_integrity_ok, "kv_integrity_checks": self._kv_checks,
+        })
 
     def add_step_hook(self, hook: StepHook) -> None:
         """Run ``hook(scheduler, scheduler_output)`` after every schedule, e.g. to record

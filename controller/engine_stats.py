@@ -4,21 +4,21 @@ benchmarks."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
+from pagedserve.controller.scheduler import SchedulerStats
+from pagedserve.kv import KVCacheManager
 from pagedserve.kv.host_tier import HostTierStats
-
-if TYPE_CHECKING:  # the core imports this module
-    from pagedserve.controller.engine_core import EngineCore
 
 __all__ = ["engine_stats"]
 
 
-def engine_stats(core: EngineCore) -> dict[str, int | float]:
-    """Scheduler counters, KV usage of both tiers, prefix-cache hits per tier (tokens)."""
-    stats: dict[str, int | float] = dataclasses.asdict(core.scheduler.stats())
-    kv = core.kv
-    stats["kv_blocks_total"] = core.kv_layout.num_blocks - 1  # without the null block
+def engine_stats(
+    sched: SchedulerStats, kv: KVCacheManager, num_blocks: int, core: dict[str, int | float]
+) -> dict[str, int | float]:
+    """Scheduler counters, KV usage of both tiers, prefix-cache hits per tier (tokens), and
+    the core's own numbers (``core``: timings, integrity checks) last."""
+    stats: dict[str, int | float] = dataclasses.asdict(sched)
+    stats["kv_blocks_total"] = num_blocks - 1  # without the null block
     stats["kv_blocks_used"] = stats["kv_blocks_total"] - kv.num_free_blocks
     # Token capacity grows with decode context parallelism: a block spans B x dcp tokens.
     stats["kv_capacity_tokens"] = stats["kv_blocks_total"] * kv.block_size
@@ -33,8 +33,5 @@ def engine_stats(core: EngineCore) -> dict[str, int | float]:
     tier_stats = host.stats if host is not None else HostTierStats()
     for name, value in dataclasses.asdict(tier_stats).items():
         stats[f"kv_host_{name}"] = value
-    stats["time_schedule_s"] = core._time_schedule
-    stats["time_execute_s"] = core._time_execute
-    stats["kv_integrity_ok"] = core._kv_integrity_ok  # as of the last idle check
-    stats["kv_integrity_checks"] = core._kv_checks
+    stats.update(core)
     return stats
