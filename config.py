@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ALLOCATION_POLICIES = ("paged", "reserve")
+PREEMPTION_MODES = ("recompute", "swap")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -88,6 +89,14 @@ class CacheConfig:
     allocation_policy: str = "paged"
     """``paged`` allocates on demand; ``reserve`` holds ceil(max_model_len / B) blocks at
     admission (the contiguous pre-allocation baseline of the experiments)."""
+    host_kv_cache_bytes: int = 0
+    """Byte budget of the host-memory KV tier per worker (``--swap-space`` GiB); 0: no tier.
+    Pinned host memory on GPU machines, plain memory on CPU ones."""
+    num_host_blocks: int | None = None
+    """Fix the number of host-tier blocks (overrides the byte budget; null block included)."""
+    kv_offload: bool = True
+    """With a host tier: keep cached blocks evicted from the device pool there, so a later
+    prefix hit copies them back instead of recomputing them."""
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -99,6 +108,14 @@ class CacheConfig:
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
         _check_choice("allocation_policy", self.allocation_policy, ALLOCATION_POLICIES)
+        _check_int("host_kv_cache_bytes", self.host_kv_cache_bytes, 0)
+        _check_optional_int("num_host_blocks", self.num_host_blocks, 2)
+        if not isinstance(self.kv_offload, bool):
+            raise ConfigError("kv_offload", f"must be a bool, got {self.kv_offload!r}")
+
+    @property
+    def host_tier_enabled(self) -> bool:
+        return self.num_host_blocks is not None or self.host_kv_cache_bytes > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +160,15 @@ class SchedulerConfig:
     max_pending_requests: int = 4096
     """Requests the engine holds at once (running, waiting and queued adds); more are refused
     with ``EngineOverloadedError`` (HTTP 503) instead of queueing without bound."""
+    preemption_mode: str = "recompute"
+    """``recompute`` frees a preempted request's blocks and computes them again on resume;
+    ``swap`` copies them to the host tier and back (recompute when the tier is full)."""
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_pending_requests", self.max_pending_requests, 1)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +186,12 @@ class EngineConfig:
                 "dcp_interleave",
                 f"must divide block_size={self.cache.block_size}, "
                 f"got {self.parallel.dcp_interleave}",
+            )
+        if self.scheduler.preemption_mode == "swap" and not self.cache.host_tier_enabled:
+            raise ConfigError(
+                "preemption_mode",
+                "'swap' needs a host KV tier: set host_kv_cache_bytes (--swap-space) or "
+                "num_host_blocks",
             )
         mml = self.model.max_model_len
         if (

@@ -57,6 +57,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With ``prompt_logprobs`` asked for: per prompt position, ``{prompt token: logprob,
     top_1: logprob, ...}`` (the prompt token first); None at position 0."""
+    num_host_cached_tokens: int = 0
+    """Of ``num_cached_tokens``, those found in the host tier (copied back, not recomputed)."""
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class RequestDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """The prompt positions whose logprobs became known this step (``RequestOutput``'s
     ``prompt_logprobs``, in order, each sent once); None when there are none."""
+    num_host_cached_tokens: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,6 +129,8 @@ class KVCacheLayout:
     num_blocks: int
     block_size: int
     groups: list[list[int]]
+    num_host_blocks: int = 0
+    """Blocks of the host-memory tier (same per-block shape, own ids); 0: no tier."""
 
 
 @dataclass(slots=True)
@@ -167,6 +172,12 @@ class SchedulerOutput:
     """Requests to drop from the workers' batches: finished, aborted or preempted."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """Copy-on-write ``(src, dst)`` block copies to run before the forward pass."""
+    blocks_to_host: list[tuple[int, int]] = field(default_factory=list)
+    """Host-tier ``(device src, host dst)`` copies (swap-outs, evicted prefix blocks); run
+    first, before ``blocks_to_device``."""
+    blocks_to_device: list[tuple[int, int]] = field(default_factory=list)
+    """Host-tier ``(host src, device dst)`` copies (swap-ins, host prefix hits); run after
+    ``blocks_to_host`` and before ``block_copies`` and the forward pass."""
 
 
 @dataclass(slots=True)
@@ -248,7 +259,7 @@ class StepFrame:
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
-    VERSION = 2
+    VERSION = 3
     HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
     STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
     STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop

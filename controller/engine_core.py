@@ -13,6 +13,7 @@ import time
 from collections.abc import Collection
 
 from pagedserve.config import EngineConfig
+from pagedserve.controller.engine_stats import engine_stats
 from pagedserve.controller.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -84,6 +85,8 @@ class _Group:
         return RequestDelta(
             self.request_id, comps, self.finished, self.num_cached_tokens,
             prompt_logprobs=new_lps,
+            num_host_cached_tokens=max(0, *(s.num_host_cached_tokens for s in self.seqs),
+                                       self.parent.num_host_cached_tokens if self.parent else 0),
         )
 
 
@@ -143,6 +146,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self._eos_token_ids,
             enable_chunked_prefill=sched.enable_chunked_prefill,
+            preemption_mode=sched.preemption_mode,
         )
         scheduler.step_hooks = step_hooks
         return scheduler
@@ -365,7 +369,11 @@ class EngineCore:
         self._kv_checks += 1
         try:
             self.kv.check_integrity()
-            self._kv_integrity_ok = int(self.kv.num_free_blocks == self.kv_layout.num_blocks - 1)
+            host = self.kv.host
+            self._kv_integrity_ok = int(
+                self.kv.num_free_blocks == self.kv_layout.num_blocks - 1
+                and (host is None or host.num_free_blocks == host.num_usable_blocks)
+            )
         except AssertionError as exc:
             logger.error("KV manager integrity check failed while idle: %s", exc)
             self._kv_integrity_ok = 0
@@ -374,17 +382,13 @@ class EngineCore:
         return bool(self._groups)
 
     def stats(self) -> dict[str, int | float]:
-        """Running/waiting counts, KV usage, prefix-cache queries/hits (tokens), preemptions."""
-        stats: dict[str, int | float] = dataclasses.asdict(self.scheduler.stats())
-        stats["kv_blocks_total"] = self.kv_layout.num_blocks - 1  # without the null block
-        stats["kv_blocks_used"] = stats["kv_blocks_total"] - self.kv.num_free_blocks
-        # Token capacity grows with decode context parallelism: a block spans B x dcp tokens.
-        stats["kv_capacity_tokens"] = stats["kv_blocks_total"] * self.kv.block_size
-        stats["time_schedule_s"] = self._time_schedule
-        stats["time_execute_s"] = self._time_execute
-        stats["kv_integrity_ok"] = self._kv_integrity_ok  # as of the last idle check
-        stats["kv_integrity_checks"] = self._kv_checks
-        return stats
+        """Running/waiting counts, KV usage of both tiers, prefix-cache queries and hits per
+        tier (tokens), preemptions and swaps, timings; see ``engine_stats``."""
+        return engine_stats(self.scheduler.stats(), self.kv, self.kv_layout.num_blocks, {
+            "time_schedule_s": self._time_schedule, "time_execute_s": self._time_execute,
+            # As of the last idle check.
+            "kv_integrity_ok": self._kv_integrity_ok, "kv_integrity_checks": self._kv_checks,
+        })
 
     def add_step_hook(self, hook: StepHook) -> None:
         """Run ``hook(scheduler, scheduler_output)`` after every schedule, e.g. to record

@@ -93,7 +93,13 @@ class LocalExecutor:
         self._require_worker().init_kv_cache(layout)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._require_worker().execute(scheduler_output)
+        worker = self._require_worker()
+        try:
+            return worker.execute(scheduler_output)
+        except Exception as exc:
+            # The in-process rank failed mid-step (its KV pool may be half copied): the same
+            # fault as a remote rank's, so the engine fails the step's requests and rebuilds.
+            raise WorkerGroupError(0, "local", f"{type(exc).__name__}: {exc}") from exc
 
     def check_failure(self) -> WorkerGroupError | None:
         return None  # an in-process worker fails inside execute, never between steps

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.kv import (
     FullAttentionSpec,
     KVCacheGroup,
@@ -76,6 +76,8 @@ class KVPlan:
             enable_caching=cache.enable_prefix_caching,
             policy=cache.allocation_policy,  # type: ignore[arg-type]
             virtual_block_factor=self.config.parallel.decode_context_parallel_size,
+            num_host_blocks=self.layout.num_host_blocks,
+            offload=cache.kv_offload,
         )
 
 
@@ -94,9 +96,21 @@ def plan_kv_cache(config: EngineConfig, report: WorkerReport, max_model_len: int
             f"no room for the KV cache: {report.available_kv_bytes} bytes give {num_blocks} "
             "blocks; raise kv_cache_memory_bytes / gpu_memory_utilization or num_gpu_blocks"
         )
+    num_host = 0
+    if cache.num_host_blocks is not None:
+        num_host = cache.num_host_blocks
+    elif cache.host_kv_cache_bytes:
+        num_host = num_blocks_from_bytes(cache.host_kv_cache_bytes, groups)
+        if num_host < 2:
+            raise ConfigError(
+                "host_kv_cache_bytes",
+                f"{cache.host_kv_cache_bytes} bytes hold {num_host} KV blocks; the host tier "
+                "needs at least 2 (raise --swap-space)",
+            )
     layout = KVCacheLayout(
         num_blocks=num_blocks,
         block_size=cache.block_size,
         groups=[[int(name) for name in g.layer_names] for g in groups],
+        num_host_blocks=num_host,
     )
     return KVPlan(config, layout, [g.spec for g in groups], max_model_len)

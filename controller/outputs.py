@@ -101,6 +101,7 @@ class OutputAccumulator:
                 c.finish_reason = c.finish_reason or "error"
         out.finished = delta.finished
         out.num_cached_tokens = delta.num_cached_tokens
+        out.num_host_cached_tokens = delta.num_host_cached_tokens
         out.error = delta.error
         return out
 

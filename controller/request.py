@@ -76,6 +76,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         """Prefix-cache hit at first admission; -1 until then."""
+        self.num_host_cached_tokens = 0
+        """Of that hit, the tokens found in the host tier."""
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.detokenizer = detokenizer

@@ -3,7 +3,10 @@
 There are no prefill or decode phases. Every request catches ``num_computed_tokens`` up to its
 ``compute_limit`` (normally ``num_tokens``); a long prompt simply takes several steps (chunked
 prefill) and a generating request needs one token per step. When the KV cache is full the
-newest running request is preempted by recompute and nothing new is admitted that step.
+newest running request is preempted and nothing new is admitted that step: by recompute (its
+blocks are freed, it starts over, usually finding most of them in the prefix cache) or, with
+``preemption_mode="swap"``, by swapping its blocks to the host tier and back when it resumes
+(recompute when the host tier is full).
 
 Parallel sampling (``n > 1``) forks: a *fork parent* computes the prompt minus its last token,
 then ``n`` children share all its blocks (kv's copy-on-write ``fork``). Each child computes the
@@ -22,13 +25,9 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from pagedserve.controller.request import Request, RequestStatus
+from pagedserve.controller.step_output import build_output
 from pagedserve.kv import KVCacheBlocks, KVCacheManager
-from pagedserve.messages import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["BATCHED_TOKENS_BUCKETS", "Scheduler", "SchedulerStats", "StepHook"]
 
@@ -50,6 +49,8 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
+    num_swapped: int = 0
+    """Preempted requests waiting with their blocks in the host tier."""
     batched_tokens_counts: tuple[int, ...] = ()
     """Steps that scheduled tokens, per ``BATCHED_TOKENS_BUCKETS`` bucket (+ the overflow)."""
     batched_tokens_sum: int = 0
@@ -71,13 +72,17 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Collection[int] = (),
         enable_chunked_prefill: bool = True,
+        preemption_mode: str = "recompute",
     ) -> None:
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption_mode {preemption_mode!r}")
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
         self.requests: dict[str, Request] = {}
         """Every live request, unforked children included."""
         self.waiting: deque[Request] = deque()
@@ -143,6 +148,7 @@ class Scheduler:
             prefix_cache_hits=pc.hits,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
+            num_swapped=len(self.kv.host.swapped) if self.kv.host is not None else 0,
             batched_tokens_counts=tuple(self._batched_counts),
             batched_tokens_sum=self._batched_sum,
         )
@@ -191,7 +197,11 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(budget, scheduled, num_scheduled)
 
-        output = self._build_output(scheduled, num_scheduled, new_blocks)
+        output = build_output(
+            self.kv, self._step_id, scheduled, num_scheduled, new_blocks, self._finished_ids
+        )
+        if output.total_num_scheduled_tokens:
+            self._finished_ids = []
         for req in scheduled:
             req.num_computed_tokens += num_scheduled[req.request_id]
         if total := output.total_num_scheduled_tokens:
@@ -212,6 +222,12 @@ class Scheduler:
             need_seats = max(1, len(req.children))
             if seats + need_seats > self.max_num_seqs:
                 break
+            if self.kv.is_swapped(req.request_id):
+                if not self._swap_in(req, budget, scheduled, num_scheduled):
+                    break
+                budget -= num_scheduled[req.request_id]
+                seats += need_seats
+                continue
             hit_blocks: KVCacheBlocks | None = None
             hit = 0
             # Prompt positions served from the cache are never computed, so their logprobs
@@ -242,17 +258,44 @@ class Scheduler:
             req.num_computed_tokens = hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit
+                if hit_blocks is not None:
+                    req.num_host_cached_tokens = len(hit_blocks.host) * self.kv.block_size
             scheduled.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
             seats += need_seats
 
+    def _swap_in(
+        self, req: Request, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]
+    ) -> bool:
+        """Resume a swapped request where it stopped (its blocks come back from the host)."""
+        n = req.compute_limit - req.num_computed_tokens
+        if not self.enable_chunked_prefill and n > budget:
+            return False
+        n = min(n, budget)
+        blocks = self.kv.swap_in(req, n)
+        while blocks is None and not self.running and self.enable_chunked_prefill and n > 1:
+            n = max(1, n // 2)
+            blocks = self.kv.swap_in(req, n)
+        if blocks is None:
+            return False
+        self.waiting.popleft()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        scheduled.append(req)
+        num_scheduled[req.request_id] = n
+        return True
+
     def _preempt(self, req: Request) -> None:
-        """Recompute-style preemption: free everything, start over from the waiting head."""
-        self.kv.free(req)
+        """Free the request's device blocks and queue it at the waiting head: swapped to the
+        host tier (it resumes where it stopped) or, failing that, to start over."""
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
+        # Swapping needs a next token to resume with; one with nothing left starts over.
+        swap = self.preemption_mode == "swap" and req.compute_limit > req.num_computed_tokens
+        if not (swap and self.kv.swap_out(req)):
+            self.kv.free(req)
+            req.num_computed_tokens = 0
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
             req.num_sent_tokens = 0
@@ -268,53 +311,6 @@ class Scheduler:
         else:
             self.waiting.extend(parent.children)
         parent.children = []
-
-    def _build_output(
-        self,
-        scheduled: list[Request],
-        num_scheduled: dict[str, int],
-        new_blocks: dict[str, KVCacheBlocks],
-    ) -> SchedulerOutput:
-        out = SchedulerOutput(step_id=self._step_id)
-        out.block_copies = self.kv.take_pending_copies()
-        replaced = {rid for rid, *_ in self.kv.take_block_replacements()}
-        resent: list[str] = []
-        cached: CachedRequestData = out.cached_reqs
-        for req in scheduled:
-            rid = req.request_id
-            if req.num_sent_tokens and rid in replaced:
-                # Worker block tables are append-only. A copy-on-write replacement in a request
-                # the workers already hold (not expected with fork-after-prefill, but possible
-                # in principle) is sent as drop + full re-add; workers drop before they add.
-                resent.append(rid)
-                req.num_sent_tokens = 0
-            if req.num_sent_tokens == 0:
-                out.new_reqs.append(
-                    NewRequestData(
-                        req_id=rid,
-                        prompt_token_ids=list(req.prompt_token_ids),
-                        output_token_ids=list(req.output_token_ids),
-                        sampling_params=req.sampling_params,
-                        block_ids=[list(ids) for ids in self.kv.get_block_ids(rid)],
-                        num_computed_tokens=req.num_computed_tokens,
-                    )
-                )
-            else:
-                blocks = new_blocks.get(rid)
-                cached.req_ids.append(rid)
-                cached.new_token_ids.append(req.all_token_ids[req.num_sent_tokens :])
-                cached.new_block_ids.append(
-                    [list(ids) for ids in blocks.get_block_ids()] if blocks else None
-                )
-                cached.num_computed_tokens.append(req.num_computed_tokens)
-            req.num_sent_tokens = req.num_tokens
-        out.num_scheduled_tokens = num_scheduled
-        out.total_num_scheduled_tokens = sum(num_scheduled.values())
-        if out.total_num_scheduled_tokens:
-            # An empty step is not sent to the workers, so the drop list waits for a real one.
-            # The workers apply drops before additions: an aborted id may be re-added at once.
-            out.finished_req_ids, self._finished_ids = self._finished_ids + resent, []
-        return out
 
     # ------------------------------------------------------------------ update
     def update_from_output(

@@ -34,6 +34,7 @@ from pagedserve.kernels.reference import (
     plan_paged_attention,
     reshape_and_cache_ref,
 )
+from pagedserve.kernels.swap import swap_blocks
 
 
 def _use_triton(x: torch.Tensor, head_dim: int | None = None) -> bool:
@@ -126,6 +127,7 @@ __all__ = [
     "plan_paged_attention",
     "reshape_and_cache",
     "reshape_and_cache_ref",
+    "swap_blocks",
     "triton_copy_blocks",
     "triton_merge_attn_states",
     "triton_paged_attention",

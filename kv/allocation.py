@@ -1,6 +1,6 @@
 """Planning for the general ``allocate_slots`` path: new requests, prefix hits, several groups,
-the reserve policy, sliding windows and copy-on-write. (The per-step decode fast path stays in
-``manager.py``.)
+the reserve policy, sliding windows and copy-on-write. (The per-step decode fast path is in
+``allocate.py``.)
 
 Transactional: :func:`plan_allocation` only reads the manager, through its public accessors,
 and counts everything the call would consume; the manager applies the plan only if it fits.
@@ -26,6 +26,7 @@ class AllocationPlan:
 
     is_new: bool  # the request holds no blocks yet
     hits: tuple[list[KVBlock], ...]  # validated prefix-hit blocks (empty unless is_new)
+    host_hits: list[KVBlock]  # the hit's continuation in the host tier (group 0), copied back
     copies: tuple[list[int], ...]  # indices of shared blocks to copy before writing
     num_blocks: int  # blocks each group holds afterwards
     end: int  # tokens written once the step runs
@@ -54,6 +55,7 @@ def plan_allocation(
     existing = [m.req_to_blocks.get(rid) for m in mgr.managers]
     is_new = existing[0] is None
     hits = _validate_hits(mgr, request, is_new, num_new_computed_tokens, new_computed_blocks)
+    host_hits = new_computed_blocks.host if new_computed_blocks is not None else []
     need_slot = end
     if mgr.policy == "reserve" and is_new:
         # The whole reservation at admission; afterwards only growth past it allocates.
@@ -62,6 +64,7 @@ def plan_allocation(
     needed = 0
     credit = 0
     copies: list[list[int]] = []
+    # Blocks restored from the host tier are new device blocks: counted in `target - hit`.
     for m, blocks, hit in zip(mgr.managers, existing, hits, strict=True):
         have = len(blocks) if blocks is not None else 0
         needed += max(0, target - have - len(hit))
@@ -77,7 +80,7 @@ def plan_allocation(
         copies.append(cow)
     if needed > mgr.num_free_blocks + credit:
         return None
-    return AllocationPlan(is_new, hits, tuple(copies), target, end)
+    return AllocationPlan(is_new, hits, host_hits, tuple(copies), target, end)
 
 
 def _validate_hits(
@@ -98,8 +101,11 @@ def _validate_hits(
     if len(hit_blocks.blocks) != mgr.num_groups:
         raise InvalidArgumentError("hit blocks must have one list per KV group")
     hashes = request.block_hashes
+    host = hit_blocks.host
+    if host:
+        _validate_host_hits(mgr, hashes, len(hit_blocks.blocks[0]), host)
     for gid, hit in enumerate(hit_blocks.blocks):
-        if len(hit) * mgr.block_size != num_new_computed_tokens:
+        if (len(hit) + len(host)) * mgr.block_size != num_new_computed_tokens:
             raise InvalidArgumentError("hit blocks do not match num_new_computed_tokens")
         # A hit found earlier may have been evicted and re-used since: refuse to share a
         # block whose contents are no longer this prefix.
@@ -113,3 +119,23 @@ def _validate_hits(
             ):
                 raise InvalidArgumentError(f"stale prefix hit: block {b.block_id} re-used")
     return hit_blocks.blocks
+
+
+def _validate_host_hits(
+    mgr: ManagerView, hashes: list[bytes], start: int, host: list[KVBlock]
+) -> None:
+    """Host-tier hit blocks must still be cached there under the hashes that follow the
+    device hit: only blocks the tier holds can be copied back."""
+    tier = mgr.host
+    if tier is None or mgr.num_groups != 1:
+        raise InvalidArgumentError("host-tier hit blocks given but there is no host prefix tier")
+    suffix = (0).to_bytes(4, "big")
+    for i, b in enumerate(host, start):
+        key = b.block_hash
+        if (
+            key is None
+            or i >= len(hashes)
+            or key != hashes[i] + suffix
+            or tier.pool.cached.get(key) is not b
+        ):
+            raise InvalidArgumentError(f"stale host-tier hit: host block {b.block_id} re-used")

@@ -59,6 +59,9 @@ class ManagerView(Protocol):
     def pool(self) -> Any: ...
 
     @property
+    def host(self) -> Any: ...
+
+    @property
     def num_groups(self) -> int: ...
 
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from pagedserve.kv.block import FreeBlockQueue, KVBlock
 from pagedserve.kv.errors import DoubleFreeError, InvalidArgumentError
@@ -50,6 +50,9 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock | dict[int, KVBlock]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        self.on_evict: Callable[[KVBlock], None] | None = None
+        """Called with a cached block just before re-allocation drops its hash (the host tier
+        keeps a copy of it there). The block is already out of the free queue."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -84,8 +87,11 @@ class BlockPool:
             raise InvalidArgumentError(f"cannot get {n} blocks, {self.num_free_blocks} free")
         blocks = self.free_block_queue.popleft_n(n)
         if self.enable_caching:
+            on_evict = self.on_evict
             for b in blocks:
                 if b.block_hash is not None:
+                    if on_evict is not None:
+                        on_evict(b)
                     self._evict(b)
                 b.ref_cnt = 1
         else:
@@ -106,6 +112,18 @@ class BlockPool:
             elif not entry:
                 del self.cached[key]
         block.block_hash = None
+
+    def register(self, block: KVBlock, key: bytes) -> None:
+        """Cache one block under a full key (hash + group suffix); it must have no hash yet."""
+        assert block.block_hash is None and not block.is_null
+        block.block_hash = key
+        entry = self.cached.get(key)
+        if entry is None:
+            self.cached[key] = block
+        elif isinstance(entry, dict):
+            entry[block.block_id] = block
+        else:
+            self.cached[key] = {entry.block_id: entry, block.block_id: block}
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on prefix-hit blocks; free ones leave the queue (not evictable now)."""

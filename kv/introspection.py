@@ -76,3 +76,57 @@ def check_manager_integrity(mgr: ManagerView) -> None:
             raise AssertionError(f"{b!r}: ref_cnt != {refs[b.block_id]} holders")
     if set(filled_tokens) != rids:
         raise AssertionError("fill bookkeeping out of sync with held requests")
+    if mgr.host is not None:
+        check_host_integrity(mgr, rids)
+
+
+def check_host_integrity(mgr: ManagerView, device_rids: set[str]) -> None:
+    """Host-tier invariants: every host block is free, held by one swapped request's list, or
+    held by this step's pending copies, and its ref count says exactly how many of those; a
+    request is on the device or swapped, never both; a hash is cached once on the host and
+    only by offloaded blocks; every pending copy's host block is held."""
+    tier = mgr.host
+    hp = tier.pool
+    hp.check_integrity()
+    swapped = set(tier.swapped)
+    if swapped & device_rids:
+        raise AssertionError(f"requests both on the device and swapped: {swapped & device_rids}")
+    if set(tier.num_computed) != swapped:
+        raise AssertionError("swapped requests' computed counts out of sync")
+    refs = [0] * hp.num_blocks
+    for rid, groups in tier.swapped.items():
+        if len(groups) != mgr.num_groups:
+            raise AssertionError(f"{rid}: swapped with {len(groups)} groups")
+        for group in groups:
+            for b in group:
+                if b is not hp.blocks[b.block_id]:
+                    raise AssertionError(f"{rid}: foreign host block {b!r}")
+                if b.is_null:
+                    continue
+                refs[b.block_id] += 1
+                if b.block_hash is not None:
+                    raise AssertionError(f"{rid}: swapped host block {b!r} carries a hash")
+    held = set()
+    for b in tier.held_blocks:
+        refs[b.block_id] += 1
+        held.add(b.block_id)
+    for b in hp.blocks[1:]:
+        if b.ref_cnt != refs[b.block_id]:
+            raise AssertionError(f"host {b!r}: ref_cnt != {refs[b.block_id]} holders")
+    for key, entry in hp.cached.items():
+        if not isinstance(entry, type(hp.null_block)):
+            raise AssertionError(f"host caches hash {key.hex()[:8]} more than once")
+    to_host, to_device = tier.pending
+    dsts = [d for _, d in to_host]
+    if len(set(dsts)) != len(dsts):
+        raise AssertionError("two pending copies write the same host block")
+    if not set(dsts) <= held or not {s for s, _ in to_device} <= held:
+        raise AssertionError("a pending copy's host block is not held")
+    dev_dsts = [d for _, d in to_device]
+    if len(set(dev_dsts)) != len(dev_dsts) or 0 in dev_dsts:
+        raise AssertionError("pending host -> device copies write a block twice or the null")
+    if any(mgr.pool.blocks[d].ref_cnt == 0 for d in dev_dsts):
+        # A block is never freed in the step that allocated it (before that step ran).
+        raise AssertionError("a pending host -> device copy writes a free device block")
+    if mgr.pool.on_evict is not None and not tier.offload_enabled:
+        raise AssertionError("device evictions offload while the host prefix tier is off")

@@ -1,8 +1,9 @@
 """The scheduler-facing KV cache manager. Call order, per request: ``check_admissible`` once,
 ``get_computed_blocks`` (the prefix hit) and ``allocate_slots(req, n, hit, hit_blocks)`` at
 admission, ``allocate_slots(req, n)`` each later step (``None``: does not fit, nothing changed;
-preempt or stop admitting), ``take_pending_copies()`` / ``take_block_replacements()`` to ship
-after each step, and ``free(req)`` at the end or on preemption."""
+preempt or stop admitting), ``take_pending_copies()`` / ``take_block_replacements()`` /
+``take_tier_copies()`` to ship after each step, and ``free(req)`` at the end or on preemption
+(or ``swap_out(req)`` then ``swap_in(req, n)`` with a host tier)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,19 @@ from typing import Literal
 
 import numpy as np
 
-from pagedserve.kv.allocation import AllocationPlan, plan_allocation
+from pagedserve.kv.allocate import AllocationMixin
 from pagedserve.kv.base import KVRequest
 from pagedserve.kv.block import KVBlock
 from pagedserve.kv.block_pool import BlockPool
+from pagedserve.kv.capacity import CapacityMixin
 from pagedserve.kv.coordinator import find_common_hit
-from pagedserve.kv.errors import (
-    DoubleFreeError,
-    InvalidArgumentError,
-    RequestTooLargeError,
-    UnknownRequestError,
-)
+from pagedserve.kv.errors import DoubleFreeError, InvalidArgumentError, UnknownRequestError
+from pagedserve.kv.host_tier import HostTier
 from pagedserve.kv.introspection import block_fill_snapshot, check_manager_integrity
 from pagedserve.kv.kv_blocks import KVCacheBlocks, PrefixCacheStats
 from pagedserve.kv.single_type import FullAttentionManager, SingleTypeManager, make_manager
 from pagedserve.kv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedserve.kv.swap import swap_in, swap_out
 
 __all__ = ["AllocationPolicy", "KVCacheManager"]
 
@@ -37,7 +36,7 @@ AllocationPolicy = Literal["paged", "reserve"]
 _FREED_MEMORY = 4096
 
 
-class KVCacheManager:
+class KVCacheManager(AllocationMixin, CapacityMixin):
     """Allocates KV blocks for requests across one or more KV groups sharing one pool.
 
     Args:
@@ -56,6 +55,9 @@ class KVCacheManager:
             tokens of a block whose tokens are interleaved over the ranks, so the manager sees
             blocks of ``block_size * virtual_block_factor`` tokens (``self.block_size``). Block
             ids are the same on every rank. Only a multiplier here; the workers do the rest.
+        num_host_blocks: blocks of the host tier (its null block included); 0: no tier.
+        offload: with a host tier and one full-attention group, keep evicted cached device
+            blocks in the host tier, where prefix lookups continue.
     """
 
     def __init__(
@@ -68,6 +70,8 @@ class KVCacheManager:
         policy: AllocationPolicy = "paged",
         virtual_block_factor: int = 1,
         reserve_tokens: Callable[[KVRequest], int] | None = None,
+        num_host_blocks: int = 0,
+        offload: bool = True,
     ) -> None:
         if block_size <= 0 or max_model_len <= 0 or virtual_block_factor <= 0:
             raise InvalidArgumentError("block_size, max_model_len, virtual_block_factor must be >0")
@@ -119,6 +123,14 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self._replacements: list[tuple[str, int, int, int]] = []
         self._empty = KVCacheBlocks(tuple([] for _ in self.managers))
+        self.host: HostTier | None = None
+        if num_host_blocks:
+            # Host prefix hits continue a full-attention chain only (a sliding-window hit is
+            # not downward closed), so other layouts use the tier for swapping alone.
+            self.host = host = HostTier(num_host_blocks, offload and self._single_full)
+            if host.offload_enabled and enable_caching:
+                device_cached = self.pool.cached
+                self.pool.on_evict = lambda b: host.offload(b, device_cached)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -139,19 +151,12 @@ class KVCacheManager:
         """Read-only: tokens each held request will have written once the current step runs."""
         return MappingProxyType(self._num_filled)
 
-    def reservation_tokens(self, request: KVRequest) -> int:
-        """Tokens the ``reserve`` policy holds for ``request`` (0 under ``paged``)."""
-        if self.policy != "reserve":
-            return 0
-        if self._reserve_tokens is None:
-            return self.max_model_len
-        want = self._reserve_tokens(request)
-        if isinstance(want, bool) or not isinstance(want, int) or want < 0:
-            raise InvalidArgumentError(f"reserve_tokens returned {want!r}, not a count >= 0")
-        return min(want, self.max_model_len)
-
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.managers[0].req_to_blocks
+        """The request holds blocks, on the device or swapped out to the host tier."""
+        return request_id in self.managers[0].req_to_blocks or self.is_swapped(request_id)
+
+    def is_swapped(self, request_id: str) -> bool:
+        return self.host is not None and request_id in self.host.swapped
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group (0 marks a released sliding-window position)."""
@@ -182,35 +187,14 @@ class KVCacheManager:
         out, self._replacements = self._replacements, []
         return out
 
-    def check_admissible(self, num_tokens_total: int) -> None:
-        """Raise RequestTooLargeError if a request of this many tokens (prompt + max output) can
-        never fit, even alone in an empty cache; the scheduler calls this at admission instead
-        of letting the request wait forever."""
-        if num_tokens_total < 0:
-            raise InvalidArgumentError(f"negative token count {num_tokens_total}")
-        if num_tokens_total > self.max_model_len:
-            raise RequestTooLargeError(
-                f"{num_tokens_total} tokens exceed max_model_len={self.max_model_len}"
-            )
-        need = self.blocks_needed(num_tokens_total)
-        if need > self.pool.num_usable_blocks:
-            raise RequestTooLargeError(
-                f"{num_tokens_total} tokens need {need} blocks, the cache holds "
-                f"{self.pool.num_usable_blocks}"
-            )
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Peak blocks (all groups) one request of ``num_tokens`` tokens holds."""
-        bs = self.block_size
-        if self.policy == "reserve":
-            return self._reserve_blocks * len(self.managers)
-        total = 0
-        for spec in self.group_specs:
-            full = -(-num_tokens // bs)
-            if isinstance(spec, SlidingWindowSpec):
-                full = min(full, -(-(spec.sliding_window - 1) // bs) + 1)
-            total += full
-        return total
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Host-tier copies since the last call: ``(device -> host, host -> device)`` block-id
+        pairs. Workers run the first list, then the second, before this step's copy-on-write
+        copies and forward pass. Ship them with a step that runs: until taken, their host
+        blocks stay referenced."""
+        if self.host is None:
+            return [], []
+        return self.host.take_copies()
 
     # ------------------------------------------------------------ prefix hits
     def get_computed_blocks(self, request: KVRequest) -> tuple[KVCacheBlocks, int]:
@@ -232,112 +216,19 @@ class KVCacheManager:
         stats.queries += num_tokens
         if max_blocks <= 0:
             return self._empty, 0
+        host: list[KVBlock] = []
         if self._single_full:
             blocks = self.managers[0].find_longest_cache_hit(hashes, max_blocks, (0,))[0]
             per_group, hit = [blocks], len(blocks)
+            if self.host is not None and hit < max_blocks:
+                # The chain may go on in the host tier, among evicted blocks kept there.
+                host = self.host.find_hit(hashes, hit, max_blocks)
+                hit += len(host)
         else:
             per_group, hit = find_common_hit(self.managers, self._kinds, hashes, max_blocks)
         stats.hits += hit * self.block_size
-        return KVCacheBlocks(tuple(per_group)), hit * self.block_size
-
-    # -------------------------------------------------------------- allocation
-    def allocate_slots(
-        self,
-        request: KVRequest,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-    ) -> KVCacheBlocks | None:
-        """Make room for ``num_new_tokens`` more tokens.
-
-        ``num_new_computed_tokens``/``new_computed_blocks`` are the prefix hit of a new request
-        from :meth:`get_computed_blocks`. Returns the newly allocated blocks per group, or
-        ``None`` with **no state changed** if they do not fit. Touching a free cached hit block
-        takes it out of the free queue, so it counts against the free blocks like a new one.
-        Full blocks among the first ``min(computed + new, num_tokens)`` tokens are registered
-        in the prefix cache. A write into a block shared by :meth:`fork` first gives the
-        writer a private copy (see :meth:`take_pending_copies`).
-
-        Raises:
-            InvalidArgumentError: ``num_new_tokens <= 0``, a negative count, tokens beyond
-                ``max_model_len``, or hit blocks that are stale, mismatched or given for a
-                request that already holds blocks. Raised before any change.
-        """
-        if (
-            self._fast_path
-            and new_computed_blocks is None
-            and num_new_computed_tokens == 0
-            and num_new_tokens > 0
-        ):
-            # Hot path (every running request, every step), inlined because it runs ~256 times
-            # per step: one full-attention group, paged policy, a request already holding
-            # blocks. Anything unusual (new request, copy-on-write, too long) falls through.
-            rid = request.request_id
-            blocks = self._group0_blocks.get(rid)
-            if blocks is not None:
-                bs = self.block_size
-                computed = request.num_computed_tokens
-                end = computed + num_new_tokens
-                n_have = len(blocks)
-                # Written blocks are [computed // bs, ceil(end / bs)), usually just one; a
-                # shared (forked) one needs copy-on-write, which the general path does.
-                i = computed // bs
-                stop = -(-end // bs)
-                if stop > n_have:
-                    stop = n_have
-                while i < stop and blocks[i].ref_cnt == 1:
-                    i += 1
-                if i >= stop and end <= self.max_model_len:
-                    n_new = -(-end // bs) - n_have
-                    result = self._empty
-                    if n_new > 0:
-                        pool = self.pool
-                        if n_new > pool.free_block_queue.num_free_blocks:
-                            return None
-                        new = pool.get_new_blocks(n_new)
-                        blocks.extend(new)
-                        result = KVCacheBlocks((new,))
-                    if self.enable_caching:
-                        # Register blocks that became full; compared with `end` first so the
-                        # common "no block completed" case costs one dict lookup.
-                        num_cached = self._group0_cached[rid]
-                        if end // bs > num_cached:
-                            num_tokens = request.num_tokens
-                            num_full = (end if end < num_tokens else num_tokens) // bs
-                            if num_full > num_cached:
-                                self.managers[0].cache_blocks(
-                                    rid, request.block_hashes, num_full * bs
-                                )
-                    self._num_filled[rid] = end
-                    return result
-        plan = plan_allocation(
-            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks
-        )
-        return None if plan is None else self._apply(request, plan)
-
-    def _apply(self, request: KVRequest, plan: AllocationPlan) -> KVCacheBlocks:
-        """Carry out a plan that fits. Out-of-window blocks are released and hit blocks
-        referenced before any new block is popped, so popping never evicts a block about to
-        be re-used."""
-        rid = request.request_id
-        if plan.is_new:
-            self._freed_ids.pop(rid, None)
-            for m, hit in zip(self.managers, plan.hits, strict=True):
-                self.pool.touch(hit)
-                m.add_request(rid, hit)
-        else:
-            for m in self.managers:
-                m.remove_skipped_blocks(rid, request.num_computed_tokens)
-        new_per_group: list[list[KVBlock]] = []
-        for m, copies in zip(self.managers, plan.copies, strict=True):
-            for i, src, dst in m.copy_shared_blocks(rid, copies):
-                self._pending_copies.append((src, dst))
-                self._replacements.append((rid, m.group_id, i, dst))
-            new_per_group.append(m.grow(rid, plan.num_blocks))
-            if self.enable_caching:
-                m.cache_blocks(rid, request.block_hashes, min(plan.end, request.num_tokens))
-        self._num_filled[rid] = plan.end
-        return KVCacheBlocks(tuple(new_per_group))
+        stats.host_hits += len(host) * self.block_size
+        return KVCacheBlocks(tuple(per_group), host), hit * self.block_size
 
     # ------------------------------------------------------------ release etc.
     def free(self, request: KVRequest | str) -> None:
@@ -347,16 +238,52 @@ class KVCacheManager:
         moments ago, UnknownRequestError for an id that holds no blocks.
         """
         rid = request if isinstance(request, str) else request.request_id
+        if self.host is not None and rid in self.host.swapped:
+            self.host.free(rid)
+            self._forget(rid)
+            return
         if rid not in self.managers[0].req_to_blocks:
             if rid in self._freed_ids:
                 raise DoubleFreeError(f"request {rid!r} was already freed")
             raise UnknownRequestError(rid)
         for m in self.managers:
             m.free(rid)
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
         self._num_filled.pop(rid, None)
         self._freed_ids[rid] = None
         if len(self._freed_ids) > _FREED_MEMORY:
             del self._freed_ids[next(iter(self._freed_ids))]
+
+    def swap_out(self, request: KVRequest) -> bool:
+        """Preempt by swapping: the request's computed blocks are copied to the host tier (see
+        :meth:`take_tier_copies`) and its device blocks freed. False, with nothing changed,
+        without a host tier or when it is too full: preempt by recompute (:meth:`free`)."""
+        if self.host is None:
+            return False
+        if not swap_out(self.managers, self.host, request, self.block_size):
+            return False
+        self._num_filled.pop(request.request_id, None)
+        return True
+
+    def swap_in(self, request: KVRequest, num_new_tokens: int) -> KVCacheBlocks | None:
+        """Resume a swapped request with room for ``num_new_tokens`` more tokens: every block
+        of the request (its computed blocks come back from the host tier). None, with nothing
+        changed, if it does not fit. UnknownRequestError if it is not swapped out."""
+        if self.host is None:
+            raise UnknownRequestError(f"request {request.request_id!r} is not swapped out")
+        end = request.num_computed_tokens + num_new_tokens
+        if end > self.max_model_len:
+            raise InvalidArgumentError(f"{end} tokens exceed max_model_len={self.max_model_len}")
+        slots = max(end, self.reservation_tokens(request))
+        target = -(-slots // self.block_size)
+        out = swap_in(self.managers, self.pool, self.host, request, num_new_tokens,
+                      self.block_size, target, end)
+        if out is not None:
+            self._num_filled[request.request_id] = end
+            self._freed_ids.pop(request.request_id, None)
+        return out
 
     def fork(self, parent: KVRequest | str, child: KVRequest | str) -> None:
         """Let ``child`` share every block of ``parent`` (parallel sampling / beam search).
@@ -379,8 +306,12 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash (e.g. after a weight update). Returns False and changes
         nothing while any request holds blocks: free or preempt them first."""
+        if self.host is not None and self.host.pool.num_free_blocks != self.host.num_usable_blocks:
+            return False
         if not self.pool.reset_prefix_cache():
             return False
+        if self.host is not None:
+            self.host.reset_prefix_cache()
         self.prefix_cache_stats = PrefixCacheStats()
         return True
 

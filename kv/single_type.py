@@ -46,6 +46,10 @@ class SingleTypeManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         return None
 
+    def num_skipped(self, request_id: str, num_computed_tokens: int) -> int:
+        """Leading positions that are (or :meth:`remove_skipped_blocks` would make) null."""
+        return 0
+
     # ---- bookkeeping
     def add_request(self, request_id: str, hit: Sequence[KVBlock]) -> None:
         """Start the request's list with its prefix-hit blocks (already referenced)."""
@@ -180,6 +184,10 @@ class SlidingWindowManager(SingleTypeManager):
     def _skipped_range(self, request_id: str, num_computed_tokens: int) -> int:
         skipped_tokens = num_computed_tokens - self.window + 1
         return skipped_tokens // self.block_size if skipped_tokens > 0 else 0
+
+    def num_skipped(self, request_id: str, num_computed_tokens: int) -> int:
+        blocks = self.req_to_blocks.get(request_id) or []
+        return min(self._skipped_range(request_id, num_computed_tokens), len(blocks))
 
     def num_freeable_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> int:
         blocks = self.req_to_blocks.get(request_id)

@@ -27,6 +27,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     eng.add_argument("--allocation-policy", default="paged", choices=["paged", "reserve"],
                      help="paged: KV blocks on demand; reserve: max_model_len per request at "
                           "admission (the contiguous pre-allocation baseline)")
+    eng.add_argument("--swap-space", type=float, default=0.0, metavar="GIB",
+                     help="host-memory KV tier per worker, in GiB (pinned on GPU machines): "
+                          "swap preemption and evicted prefix blocks kept; 0 (default): none")
+    eng.add_argument("--num-host-blocks", type=int, default=None,
+                     help="fix the host tier's block count instead (null block included)")
+    eng.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                     help="recompute: a preempted request starts over; swap: its blocks move "
+                          "to the host tier and back (recompute when the tier is full)")
+    eng.add_argument("--no-kv-offload", action="store_true",
+                     help="with a host tier, do not keep evicted prefix blocks there")
     eng.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     eng.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
     eng.add_argument("--dp", type=int, default=1, help="data-parallel replicas (behind a router)")
@@ -51,8 +61,17 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "num_gpu_blocks": args.num_gpu_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,
         "allocation_policy": args.allocation_policy,
+        "host_kv_cache_bytes": _gib_to_bytes(args.swap_space),
+        "num_host_blocks": args.num_host_blocks,
+        "preemption_mode": args.preemption_mode,
+        "kv_offload": not args.no_kv_offload,
         "tensor_parallel_size": args.tp,
         "decode_context_parallel_size": args.dcp,
         "data_parallel_size": args.dp,
         "ray_address": args.address,
     }
+
+
+def _gib_to_bytes(gib: float) -> int:
+    # A negative size stays negative, for the config to refuse with its own message.
+    return int(gib * (1 << 30))

@@ -95,11 +95,13 @@ class Endpoint:
             len(c.token_ids) for s in self.run.subs if s.latest for c in s.latest.outputs
         )
         cached = sum(s.latest.num_cached_tokens for s in self.run.subs if s.latest)
+        host = sum(s.latest.num_host_cached_tokens for s in self.run.subs if s.latest)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},  # prefix-cache hits, all prompts
+            # Prefix-cache hits, all prompts; of them, those served from the host KV tier.
+            "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_host": host},
         }
 
     def _echo_text(self, sub_index: int) -> str:

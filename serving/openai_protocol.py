@@ -109,6 +109,8 @@ class ChatCompletionRequest(_SamplingFields):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     """Prompt tokens found in the prefix cache (not computed again)."""
+    cached_tokens_host: int = 0
+    """Of those, the tokens found in the host KV tier and copied back (a pagedserve field)."""
 
 
 class UsageInfo(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,3 +52,20 @@ def test_peers_quick(tmp_path: Path) -> None:
     for engine in ("pagedserve", "pagedserve-local", "hf-static", "hf-cb"):
         assert f"| {engine} |" in proc.stdout
     assert "| 8/8 |" in proc.stdout
+
+
+def test_kv_tiers_quick(tmp_path: Path) -> None:
+    """Swap against recompute and the prefix cache with and without the host tier: tables,
+    plots, no leaked block in either tier, and the tier's hits on the prefix workload."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "kv_tiers"
+    cmd = [sys.executable, str(BENCHMARKS / "kv_tiers.py"), "--quick", "--out-dir", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = (out / "kv_tiers.md").read_text()
+    assert "| block size | blocks | swap out + in (ms) |" in text
+    assert "| 8 | swap |" in text and "| 8 | recompute |" in text
+    assert (out / "swap_vs_recompute.png").stat().st_size and (out / "prefix_tier.png").exists()
+    prefix = {r["tier"]: r for r in json.loads((out / "kv_tiers.json").read_text())["prefix"]}
+    assert prefix["on"]["host_hits"] > 0 and prefix["off"]["host_hits"] == 0
+    assert prefix["on"]["hit_rate"] >= 2 * prefix["off"]["hit_rate"]

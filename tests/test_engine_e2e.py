@@ -106,6 +106,35 @@ def test_preemption_by_recompute_equals(kind: str, ckpt_root: str) -> None:
     _assert_same(ours, _reference(str(path), tuple(map(tuple, prompts))))
 
 
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_preemption_by_swap_equals(kind: str, ckpt_root: str) -> None:
+    path = _checkpoint(kind, ckpt_root)
+    prompts = _prompts(3)  # the workload of the recompute case above, the same references
+    ours, stats = _ours(path, prompts, num_gpu_blocks=24, block_size=16,
+                        preemption_mode="swap", num_host_blocks=64)
+    assert stats["num_preemptions"] > 0 and stats["kv_host_swap_fallbacks"] == 0
+    assert stats["kv_host_swap_ins"] == stats["kv_host_swap_outs"] == stats["num_preemptions"]
+    _assert_same(ours, _reference(str(path), tuple(map(tuple, prompts))))
+
+
+def test_evicted_prefixes_served_from_the_host_tier_equal(ckpt_root: str) -> None:
+    path = _checkpoint("llama", ckpt_root)
+    heads = [_prompts(20 + f, (48,))[0] for f in range(3)]  # three blocks each
+    prompts = [h + _prompts(30 + i, (5,))[0] for i, h in enumerate(heads * 2)]
+    # 11 usable blocks of 16; a request takes 6, so a family's prefix is evicted from the
+    # device before it comes back, and found in the host tier instead.
+    llm = LLM(str(path), backend="local", num_gpu_blocks=12, block_size=16, num_host_blocks=32)
+    try:
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert stats["prefix_cache_host_hits"] >= 3 * 48
+    assert all(o.num_cached_tokens == 48 for o in outs[3:])
+    _assert_same([o.outputs[0].token_ids for o in outs],
+                 _reference(str(path), tuple(map(tuple, prompts))))
+
+
 def test_chunked_prefill_equals(ckpt_root: str) -> None:
     path = _checkpoint("mistral", ckpt_root)  # sliding window 8 across chunk borders
     prompts = _prompts(4)

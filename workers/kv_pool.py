@@ -4,12 +4,18 @@ Layout (``KVCacheLayout``): block ids come from one pool of ``num_blocks`` share
 KV-cache groups, and every group has the same number of layers. So the pool allocates
 ``len(groups[0])`` tensors of ``[num_blocks, 2, block_size, H_kv, D]`` and layer ``groups[g][j]``
 uses tensor ``j``: two layers of different groups share a tensor but never a block id.
+
+With ``layout.num_host_blocks`` the pool also holds the host tier: the same tensors with their
+own block ids in host memory (pinned on GPU machines, so copies run asynchronously to the
+host's view; plain memory on CPU-only ones). Tier copies run on a stream of their own and the
+forward pass waits for them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels import swap_blocks
 from pagedserve.messages import KVCacheLayout, LayerKVSpec
 from pagedserve.workers.layers.attention import PagedAttention
 
@@ -35,6 +41,7 @@ class KVPool:
             raise ValueError(f"KV groups {groups} do not cover layers 0..{len(layers) - 1}")
         self.layout = layout
         self.tensors: list[torch.Tensor] = []
+        self.host_tensors: list[torch.Tensor] = []
         for j in range(len(groups[0])):
             shapes = {(layers[g[j]].num_kv_heads, layers[g[j]].head_dim) for g in groups}
             if len(shapes) != 1:
@@ -43,6 +50,11 @@ class KVPool:
             shape = (layout.num_blocks, 2, layout.block_size, hkv, d)
             # zeros, not empty: the null block and unwritten slots must never hold NaN.
             self.tensors.append(torch.zeros(shape, dtype=dtype, device=device))
+            if layout.num_host_blocks:
+                host_shape = (layout.num_host_blocks, *shape[1:])
+                pin = device.type == "cuda"
+                self.host_tensors.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for g, group in enumerate(groups):
             for j, layer_index in enumerate(group):
                 layers[layer_index].kv_cache = self.tensors[j]
@@ -51,3 +63,38 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def num_host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.host_tensors)
+
+    def copy_tiers(
+        self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]
+    ) -> None:
+        """Run a step's tier copies: every ``(device, host)`` pair, then every ``(host,
+        device)`` pair, so a device block re-used this step is read before it is overwritten."""
+        if not to_host and not to_device:
+            return
+        if not self.host_tensors:
+            raise RuntimeError("tier copies sent to a worker without a host KV tier")
+        stream = self._copy_stream
+        if stream is None:
+            self._copy(to_host, to_device)
+            return
+        # The copies read blocks the previous forward pass wrote, and the next forward pass
+        # reads what they wrote: order them after the one and before the other.
+        compute = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            self._copy(to_host, to_device)
+        compute.wait_stream(stream)
+
+    def _copy(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]) -> None:
+        if to_host:
+            swap_blocks(self.tensors, self.host_tensors, _pairs(to_host))
+        if to_device:
+            swap_blocks(self.host_tensors, self.tensors, _pairs(to_device))
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor([list(p) for p in pairs], dtype=torch.int64).reshape(-1, 2)

@@ -3,7 +3,7 @@
 The runner owns the persistent ``InputBatch`` and block tables. Each step it:
 1. drops finished rows, appends new tokens / block ids to running rows, adds new requests,
    condenses the batch;
-2. runs copy-on-write block copies;
+2. runs the host-tier copies (device -> host, then host -> device), then copy-on-write copies;
 3. builds positions, ``cu_seqlens_q``, ``seq_lens`` and per-group slot mappings for the rows
    with scheduled tokens;
 4. runs the model, projects only each sampling row's last hidden state to logits, samples;
@@ -72,6 +72,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_state(so)
+        self.kv_pool.copy_tiers(so.blocks_to_host, so.blocks_to_device)
         if so.block_copies:
             pairs = torch.tensor([list(p) for p in so.block_copies], dtype=torch.int64)
             copy_blocks(self.kv_pool.tensors, pairs.to(self.device))

@@ -60,6 +60,7 @@ class FakeExecutor:
     def __post_init__(self) -> None:
         self.rows: dict[str, _Row] = {}
         self.pool: dict[int, list[int | None]] = {}
+        self.host_pool: dict[int, list[int | None]] = {}
         self.outputs: list[SchedulerOutput] = []
         self.layout: KVCacheLayout | None = None
         self.shut = False
@@ -91,6 +92,7 @@ class FakeExecutor:
     def restart(self) -> WorkerReport:
         self.rows.clear()
         self.pool.clear()
+        self.host_pool.clear()
         return self.initialize()
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -122,6 +124,16 @@ class FakeExecutor:
                     row.blocks[g].extend(ids)
         assert set(so.num_scheduled_tokens) == {nr.req_id for nr in so.new_reqs} | set(c.req_ids)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        # Tier copies first (device -> host, then host -> device), then copy-on-write.
+        if so.blocks_to_host or so.blocks_to_device:
+            assert self.layout.num_host_blocks > 0, "tier copies without a host tier"
+        for src, dst in so.blocks_to_host:
+            assert 0 < dst < self.layout.num_host_blocks and 0 < src < self.layout.num_blocks
+            self.host_pool[dst] = list(self.pool.get(src, [None] * bs))
+        for src, dst in so.blocks_to_device:
+            assert 0 < src < self.layout.num_host_blocks and 0 < dst < self.layout.num_blocks
+            assert src in self.host_pool, f"host block {src} read before anything was written"
+            self.pool[dst] = list(self.host_pool[src])
         for src, dst in so.block_copies:
             self.pool[dst] = list(self.pool.get(src, [None] * bs))
         # Write every scheduled token of the batch, then read: the forward-pass order.
@@ -171,9 +183,15 @@ def make_engine(
     allocation_policy: str = "paged",
     executor: FakeExecutor | None = None,
     max_pending_requests: int = 4096,
+    num_host_blocks: int | None = None,
+    preemption_mode: str = "recompute",
+    kv_offload: bool = True,
     **kwargs: Any,
 ) -> EngineCore:
     cfg = from_flat(
+        num_host_blocks=num_host_blocks,
+        preemption_mode=preemption_mode,
+        kv_offload=kv_offload,
         max_pending_requests=max_pending_requests,
         allocation_policy=allocation_policy,
         block_size=block_size,
@@ -202,6 +220,10 @@ def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> dict[str, 
 def assert_idle(engine: EngineCore) -> None:
     engine.kv.check_integrity()
     assert engine.kv.usage == 0.0
+    host = engine.kv.host
+    if host is not None:  # 0 leaked blocks in the host tier too
+        assert host.num_free_blocks == host.num_usable_blocks and not host.swapped
+        assert host.pending == ([], []) and not host.held_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.scheduler.requests
     assert not engine.has_unfinished()

@@ -1,10 +1,17 @@
-"""Random admit / decode / chunked prefill / free / fork / preempt / prefix-hit sequences.
+"""Random admit / decode / chunked prefill / free / fork / preempt / prefix-hit sequences,
+with and without a host tier (swap preemption, swap-in, evicted blocks kept on the host and
+hit there).
 
-Invariants are checked after every step; an ``allocate_slots`` that returns None must leave
-the manager bit-for-bit unchanged; freeing every request must return every usable block.
+Invariants are checked after every step, for both tiers; an ``allocate_slots`` or ``swap_in``
+that returns None must leave the manager bit-for-bit unchanged; freeing every request must
+return every usable block of either tier. With a host tier the machine ships the tier copies
+(a step boundary) before it frees a request, as the scheduler does: a block is never freed in
+the step that allocated it.
 """
 
 from __future__ import annotations
+
+import os
 
 from helpers.kv_requests import SimpleRequest
 from hypothesis import HealthCheck, settings
@@ -40,11 +47,35 @@ CONFIGS = {
         specs=[SlidingWindowSpec(B, 1, 1, 1, sliding_window=10)], caching=True, policy="paged"
     ),
     "reserve": dict(specs=[FullAttentionSpec(B, 1, 1, 1)], caching=True, policy="reserve"),
+    "full+host": dict(specs=[FullAttentionSpec(B, 1, 1, 1)], caching=True, policy="paged",
+                      host=True),
+    "nocache+host": dict(specs=[FullAttentionSpec(B, 1, 1, 1)], caching=False, policy="paged",
+                         host=True),
+    "hybrid+host": dict(
+        specs=[FullAttentionSpec(B, 1, 1, 1), SlidingWindowSpec(B, 1, 1, 1, sliding_window=8)],
+        caching=True,
+        policy="paged",
+        host=True,
+    ),
 }
+
+
+def host_snapshot(m: KVCacheManager):  # type: ignore[no-untyped-def]
+    h = m.host
+    if h is None:
+        return None
+    return (
+        [b.block_id for b in h.pool.free_block_queue],
+        [(b.ref_cnt, b.block_hash) for b in h.pool.blocks],
+        {k: v.block_id for k, v in h.pool.cached.items()},
+        {r: [[b.block_id for b in g] for g in gs] for r, gs in h.swapped.items()},
+        (list(h.pending[0]), list(h.pending[1]), [b.block_id for b in h.held_blocks]),
+    )
 
 
 def snapshot(m: KVCacheManager):  # type: ignore[no-untyped-def]
     return (
+        host_snapshot(m),
         [b.block_id for b in m.pool.free_block_queue],
         [(b.ref_cnt, b.block_hash) for b in m.pool.blocks],
         {k: (type(v), getattr(v, "block_id", None) or sorted(v)) for k, v in m.pool.cached.items()},
@@ -62,17 +93,20 @@ class KVMachine(RuleBasedStateMachine):
         self.running: list[SimpleRequest] = []
         self.waiting: list[SimpleRequest] = []
         self.counter = 0
+        self.touched: set[str] = set()  # allocated since the tier copies were last shipped
 
     @initialize(
         config=st.sampled_from(sorted(CONFIGS)),
         num_blocks=st.integers(8, 40),
+        num_host=st.integers(2, 30),
     )
-    def setup(self, config: str, num_blocks: int) -> None:
+    def setup(self, config: str, num_blocks: int, num_host: int) -> None:
         c = CONFIGS[config]
         if c["policy"] == "reserve":
             num_blocks = max(num_blocks, 1 + MAX_LEN // B)
         self.m = KVCacheManager(
-            c["specs"], num_blocks, B, MAX_LEN, enable_caching=c["caching"], policy=c["policy"]
+            c["specs"], num_blocks, B, MAX_LEN, enable_caching=c["caching"], policy=c["policy"],
+            num_host_blocks=num_host if c.get("host") else 0,
         )
         self.hasher = BlockHasher(B)
 
@@ -91,11 +125,36 @@ class KVMachine(RuleBasedStateMachine):
         if out is None:
             assert snapshot(m) == before, "allocate_slots returned None but changed state"
             return False
+        self.touched.add(r.request_id)
         return True
+
+    def _ship(self) -> None:
+        """A step boundary: the step's tier copies go to the workers."""
+        m = self.m
+        assert m is not None
+        to_host, to_device = m.take_tier_copies()
+        for pairs in (to_host, to_device):
+            dsts = [d for _, d in pairs]
+            assert len(set(dsts)) == len(dsts) and 0 not in dsts
+            assert all(s != 0 for s, _ in pairs)
+        self.touched.clear()
 
     def _admit(self, r: SimpleRequest, chunk: int) -> None:
         m = self.m
         assert m is not None
+        if m.is_swapped(r.request_id):
+            if r.num_computed_tokens == r.num_tokens:
+                r.append_token_id(0)  # swapped right after sampling: the new token is next
+            n = min(r.num_tokens - r.num_computed_tokens, chunk)
+            before = snapshot(m)
+            if m.swap_in(r, n) is None:
+                assert snapshot(m) == before, "swap_in returned None but changed state"
+                self.waiting.append(r)
+            else:
+                r.num_computed_tokens += n
+                self.touched.add(r.request_id)
+                self.running.append(r)
+            return
         hit_blocks, hit = m.get_computed_blocks(r)
         assert hit % m.block_size == 0 and hit <= max(r.num_tokens - 1, 0)
         # Hit blocks are exactly the blocks cached under the request's own hashes.
@@ -105,6 +164,8 @@ class KVMachine(RuleBasedStateMachine):
                     assert b.block_hash is not None
                     assert b.block_hash[:-4] == r.block_hashes[i]
                     assert int.from_bytes(b.block_hash[-4:], "big") == gid
+        for i, b in enumerate(hit_blocks.host, len(hit_blocks.blocks[0])):
+            assert b.block_hash == r.block_hashes[i] + (0).to_bytes(4, "big")
         n = min(r.num_tokens - hit, chunk)
         if self._try_alloc(r, n, hit, hit_blocks):
             r.num_computed_tokens = hit + n
@@ -142,6 +203,8 @@ class KVMachine(RuleBasedStateMachine):
     def step(self, idx: int, chunk: int, token: int) -> None:
         """Continue a chunked prefill, or sample one token and decode it."""
         r = self.running[idx % len(self.running)]
+        if r.request_id in self.touched:
+            self._ship()  # a request is scheduled once per step: this is the next step
         if r.num_computed_tokens == r.num_tokens:
             if r.num_tokens >= MAX_LEN:
                 return self._finish(r)
@@ -157,6 +220,8 @@ class KVMachine(RuleBasedStateMachine):
 
     def _finish(self, r: SimpleRequest) -> None:
         assert self.m is not None
+        if r.request_id in self.touched:
+            self._ship()
         self.m.free(r)
         self.running.remove(r)
 
@@ -165,9 +230,43 @@ class KVMachine(RuleBasedStateMachine):
     def preempt_newest(self) -> None:
         assert self.m is not None
         r = self.running.pop()
+        if r.request_id in self.touched:
+            self._ship()
         self.m.free(r)
         r.num_computed_tokens = 0
         self.waiting.insert(0, r)
+
+    @precondition(lambda self: self.running and self.m is not None and self.m.host is not None)
+    @rule()
+    def swap_newest(self) -> None:
+        """Preempt by swapping; a full host tier falls back to recompute."""
+        m = self.m
+        assert m is not None
+        r = self.running.pop()
+        if r.request_id in self.touched:
+            self._ship()
+        before = snapshot(m)
+        if m.swap_out(r):
+            assert m.is_swapped(r.request_id) and m.has_request(r.request_id)
+        else:
+            assert snapshot(m) == before, "swap_out returned False but changed state"
+            m.free(r)
+            r.num_computed_tokens = 0
+        self.waiting.insert(0, r)
+
+    @precondition(lambda self: self.m is not None and self.m.host is not None)
+    @rule()
+    def ship(self) -> None:
+        self._ship()
+
+    @precondition(lambda self: any(self.m.is_swapped(r.request_id) for r in self.waiting))
+    @rule()
+    def abort_swapped(self) -> None:
+        assert self.m is not None
+        r = next(r for r in self.waiting if self.m.is_swapped(r.request_id))
+        self.waiting.remove(r)
+        self.m.free(r)
+        assert not self.m.has_request(r.request_id)
 
     @precondition(lambda self: self.running)
     @rule(idx=st.integers(0, 100))
@@ -208,13 +307,20 @@ class KVMachine(RuleBasedStateMachine):
             return
         for r in list(self.running):
             self._finish(r)
+        for r in self.waiting:
+            if self.m.has_request(r.request_id):
+                self.m.free(r)
+        self._ship()
         self.m.check_integrity()
         assert self.m.num_free_blocks == self.m.pool.num_blocks - 1
         assert self.m.usage == 0.0
+        host = self.m.host
+        if host is not None:  # 0 leaked host blocks
+            assert host.num_free_blocks == host.num_usable_blocks and not host.swapped
 
 
 KVMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=int(os.environ.get("KV_SM_EXAMPLES", "150")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -155,4 +155,4 @@ def test_usage_details_survive_json_round_trip(env) -> None:
     usage = json.loads(resp.text)["usage"]
     assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens",
                           "prompt_tokens_details"}
-    assert set(usage["prompt_tokens_details"]) == {"cached_tokens"}
+    assert set(usage["prompt_tokens_details"]) == {"cached_tokens", "cached_tokens_host"}
