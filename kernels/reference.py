@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,10 @@ class _Launch:
     out_rows: torch.Tensor  # [R] int64 their token rows
     k_rows: torch.Tensor  # [S * H_kv * N] int64 rows of kv_cache.view(-1, D) holding the keys
     bias: torch.Tensor  # [S, 1, G * Q, N] additive mask in the compute dtype
+    # Gather destinations by cache dtype, [2, S * H_kv * N, D], reused by every layer: a fresh
+    # tensor of that size per layer is page-faulted in anew each time (glibc maps and unmaps
+    # large blocks), which cost more than the gather itself.
+    scratch: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,8 +289,15 @@ def paged_attention_ref(
     rows_of = kv_cache.view(-1, d)  # [num_blocks * 2 * B * H_kv, D]
     for la in plan.launches:
         ns, n = la.bias.shape[0], la.bias.shape[-1]
-        k = rows_of.index_select(0, la.k_rows).view(ns, hkv, n, d).to(cdtype)
-        v = rows_of.index_select(0, la.k_rows + bs * hkv).view(ns, hkv, n, d).to(cdtype)
+        buf = la.scratch.get(kv_cache.dtype)
+        if buf is None or buf.device != kv_cache.device:
+            buf = torch.empty((2, la.k_rows.shape[0], d), dtype=kv_cache.dtype,
+                              device=kv_cache.device)
+            la.scratch[kv_cache.dtype] = buf
+        torch.index_select(rows_of, 0, la.k_rows, out=buf[0])
+        torch.index_select(rows_of, 0, la.k_rows + bs * hkv, out=buf[1])
+        k = buf[0].view(ns, hkv, n, d).to(cdtype)
+        v = buf[1].view(ns, hkv, n, d).to(cdtype)
         nq = la.rows.shape[0] // ns
         qs = q.index_select(0, la.rows).view(ns, nq, hq, d).to(cdtype)
         o, lse = _attend(qs, k, v, la.bias, float(softmax_scale), need_lse)

@@ -37,7 +37,6 @@ from pagedserve.parallel.state import (
 )
 from pagedserve.workers.block_table import BlockTable, MultiGroupBlockTable
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
-from pagedserve.workers.cpu_process import keep_freed_memory
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
 from pagedserve.workers.layers.attention import PagedAttention
@@ -64,8 +63,6 @@ class Worker:
         self.device = pick_device(rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:
-            keep_freed_memory()
         self.parallel = ParallelState(rank, config.parallel.tensor_parallel_size)
         self.dcp = ParallelState()
         self._store: Any = None
