@@ -30,7 +30,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.cluster.placement import RankSlot, rank_slots, wait_placed
+from pagedserve.cluster.placement import RankSlot, rank_slots, wait_placed, warn_if_split
+from pagedserve.cluster.rank_calls import gather_ranks, short_error
 from pagedserve.cluster.wire import StepChannel
 from pagedserve.cluster.wire_frames import (
     BadFrameError,
@@ -47,13 +48,6 @@ __all__ = ["RayExecutor"]
 logger = logging.getLogger(__name__)
 
 OUTPUT_RANK = 0
-
-
-def _short(exc: BaseException) -> str:
-    exc = getattr(exc, "cause", None) or exc  # a RayTaskError wraps the worker's exception
-    text = str(exc).strip().splitlines()
-    head = text[0] if text else ""
-    return f"{type(exc).__name__}: {head}"[:500]
 
 
 class RayExecutor:
@@ -85,6 +79,7 @@ class RayExecutor:
         self._failure: WorkerGroupError | None = None
         self._pg: Any = placement_group
         self._slots: list[RankSlot] = []
+        self._rank_nodes: list[dict[str, Any]] = []
         self._actors: list[Any] = []
         self._run_refs: dict[Any, int] = {}
         self._channel: StepChannel | None = None
@@ -163,6 +158,10 @@ class RayExecutor:
         """Rank -> (bundle, node id) of the current group."""
         return list(self._slots)
 
+    def rank_nodes(self) -> list[dict[str, Any]]:
+        """Rank -> node id and node IP of the current group (for users' logs and tests)."""
+        return [dict(r) for r in self._rank_nodes]
+
     def worker_actors(self) -> list[Any]:
         """The worker actors, by rank (for tests and diagnostics)."""
         return list(self._actors)
@@ -234,9 +233,9 @@ class RayExecutor:
                 result = ray.get(ref, timeout=0)
                 found.append((2, rank, f"its step loop returned {result!r}"))
             except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as exc:
-                found.append((0, rank, f"the worker actor died ({_short(exc)})"))
+                found.append((0, rank, f"the worker actor died ({short_error(exc)})"))
             except Exception as exc:
-                found.append((1, rank, f"its step loop failed ({_short(exc)})"))
+                found.append((1, rank, f"its step loop failed ({short_error(exc)})"))
         if died_only:
             found = [f for f in found if f[0] == 0]
         if not found:
@@ -282,6 +281,10 @@ class RayExecutor:
                 raise WorkerGroupError(
                     slot.rank, info["node_id"], f"rank placed off its bundle's node {slot.node_id}"
                 )
+        self._rank_nodes = [
+            {"rank": i["rank"], "node_id": i["node_id"], "node_ip": i["node_ip"]} for i in infos
+        ]
+        warn_if_split(self._rank_nodes, self.config.parallel.placement_strategy)
         if self.world_size > 1:
             self._init_distributed(infos)
         reports = self._gather([a.load_model.remote() for a in self._actors], "load_model")
@@ -289,10 +292,12 @@ class RayExecutor:
         return report
 
     def _init_distributed(self, infos: list[dict[str, Any]]) -> None:
+        # One host: everything over loopback. Several: rank 0's Ray node IP for the store, and
+        # each rank binds its collectives to the interface of its own node IP.
         one_node = len({i["node_id"] for i in infos}) == 1
         host = "127.0.0.1" if one_node else infos[0]["node_ip"]
         (port,) = self._gather([self._actors[0].open_store.remote(host)], "open_store")
-        refs = [a.init_distributed.remote(host, port) for a in self._actors]
+        refs = [a.init_distributed.remote(host, port, one_node) for a in self._actors]
         self._gather(refs, "init_distributed")
 
     def _start_loops(self) -> None:
@@ -318,31 +323,7 @@ class RayExecutor:
         self._start_monitor()
 
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
-        """``ray.get`` of one call per rank, bounded by ``ready_timeout_s``; a failure names
-        the rank (``WorkerGroupError``)."""
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
-        deadline = time.monotonic() + self.ready_timeout_s
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                rank = rank_of[pending[0]]
-                late = sorted(rank_of[r] for r in pending)
-                waited = f"{self.ready_timeout_s:.1f} s"
-                raise self._error(rank, f"{what}: ranks {late} not done within {waited}")
-            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            for ref in done:
-                try:
-                    ray.get(ref, timeout=0)
-                except Exception as exc:
-                    cause = getattr(exc, "cause", None)
-                    if what == "load_model" and not isinstance(cause, (ray.exceptions.RayError,
-                                                                       type(None))):
-                        # The checkpoint itself is bad (missing, unsupported): every rank says
-                        # the same, and the user needs the loader's own typed error.
-                        raise cause from None
-                    raise self._error(rank_of[ref], f"{what} failed: {_short(exc)}") from exc
-        return ray.get(refs, timeout=0)  # type: ignore[no-any-return]
+        return gather_ranks(refs, what, self.ready_timeout_s, self._error)
 
     def _start_monitor(self) -> None:
         self._monitor_stop = threading.Event()
