@@ -188,6 +188,8 @@ class RayExecutor:
 
     def _error(self, rank: int, message: str) -> WorkerGroupError:
         node = self._slots[rank].node_id if 0 <= rank < len(self._slots) else "?"
+        if 0 <= rank < len(self._rank_nodes):
+            node = f"{node} ({self._rank_nodes[rank]['node_ip']})"  # the id, and where it is
         return WorkerGroupError(rank, node, message)
 
     def _fail(self, err: WorkerGroupError) -> WorkerGroupError:

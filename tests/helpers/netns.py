@@ -4,7 +4,9 @@ IP, home directory and Ray temp dir, and a real Ray node started in it with ``ra
 What makes them hosts rather than fake nodes (``ray.cluster_utils.Cluster``): every node has its
 own address on its own interface (``lan0``), the host name still resolves to loopback (this
 machine's ``/etc/hosts``, as on many Debian and Ubuntu images), and nothing is shared through
-the home directory (each host's ``~/.ray/auth_token`` is its own copy).
+the home directory (each host's ``~/.ray/auth_token`` is its own copy) or the temp dir (Ray's
+session directory has the same path on every node, as on real hosts, but each host's processes
+see their own copy of it: a bind mount in the mount namespace ``ip netns exec`` makes).
 
 - ``TestNet.create(n)`` makes the bridge ``<prefix>-br`` (10.77.0.254/24 in the root namespace)
   and hosts ``<prefix>-h1 .. hn`` at 10.77.0.1 .. n; ``add_host()`` adds one more later.
@@ -36,6 +38,7 @@ PREFIX = "psmh"
 SUBNET = "10.77.0"
 BRIDGE_IP = f"{SUBNET}.254"
 ROOT = Path("/tmp") / PREFIX  # short: Ray's unix socket paths live below it
+LOCAL = ROOT / "local"  # each host's private view (see Host.argv)
 VENV_BIN = str(Path(sys.executable).parent)
 
 
@@ -83,7 +86,7 @@ class Host:
         env = {
             "PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(self.home),
-            "RAY_TMPDIR": str(ROOT / self.name),  # the head's becomes the cluster's temp dir
+            "RAY_TMPDIR": str(LOCAL),
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONUNBUFFERED": "1",
             "LANG": "C.UTF-8",
@@ -92,9 +95,17 @@ class Host:
         env.update(extra or {})
         return env
 
+    @property
+    def local(self) -> Path:
+        """This host's own disk, seen by its processes at ``LOCAL``."""
+        return ROOT / self.name / "local"
+
     def argv(self, cmd: str | Sequence[str]) -> list[str]:
         shell = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        return ["ip", "netns", "exec", self.ns, *shell]
+        # `ip netns exec` gives the command a mount namespace of its own: bind this host's
+        # directory over LOCAL there, so that each host has a private Ray temp dir.
+        prelude = f'mount --bind {self.local} {LOCAL} && exec "$@"'
+        return ["ip", "netns", "exec", self.ns, "bash", "-c", prelude, "bash", *shell]
 
     def run(
         self,
@@ -173,6 +184,8 @@ class TestNet:
         host = Host(name, i, ns, f"{SUBNET}.{i}", ROOT / name / "home")
         self.hosts.append(host)  # before any step, so that destroy() finds what was made
         host.home.mkdir(parents=True, exist_ok=True)
+        host.local.mkdir(parents=True, exist_ok=True)
+        LOCAL.mkdir(parents=True, exist_ok=True)
         etc = Path("/etc/netns") / ns
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "resolv.conf").write_text("nameserver 127.0.0.1\n")

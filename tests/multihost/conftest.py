@@ -65,9 +65,10 @@ class Walkthrough:
         return text
 
     def run(self, name: str, host: Host, cwd: Path, timeout: float = 180.0,
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+            env: Mapping[str, str] | None = None,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
         return host.run(["bash", "-euo", "pipefail", "-c", self.script(name)], cwd=cwd,
-                        timeout=timeout, env=env)
+                        timeout=timeout, env=env, check=check)
 
     def popen(self, name: str, host: Host, cwd: Path, log: Path) -> subprocess.Popen[str]:
         out = open(log, "w")  # noqa: SIM115 (closed with the process by the caller)
@@ -110,6 +111,7 @@ def cluster(testnet: TestNet) -> Cluster:
         "10.0.0.10": head.ip,
         "10.0.0.11": worker.ip,
         "/models/Qwen2.5-7B-Instruct": str(ckpt),
+        "Qwen2.5-7B-Instruct": ckpt.name,  # the served model's name: its directory's
         "--tp 8": "--tp 2",
         "--tp 4": "--tp 2",
         "--gpus 16": "--gpus 0",
