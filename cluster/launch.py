@@ -71,11 +71,12 @@ def start_controllers(
                 reserve_worker_group(par.world_size, par.placement_strategy, placement_timeout_s)
                 for _ in range(dp)
             ]
-        # One replica: its controller on the driver's node (soft), next to the client and to
-        # rank 0, so that losing another node costs ranks, never the engine itself. Several:
-        # spread, one controller per node where the cluster has them.
+        # One replica: its controller on the driver's node, next to the client and to rank 0,
+        # so that losing another node costs ranks, never the engine itself (the driver's node
+        # is alive: it runs this). Not soft: Ray's soft affinity does not hold an actor that
+        # asks for no resources. Several replicas: spread, one controller per node.
         strategy: Any = "SPREAD" if dp > 1 else NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=True
+            ray.get_runtime_context().get_node_id(), soft=False
         )
         actors = [
             ControllerActor.options(scheduling_strategy=strategy).remote(

@@ -31,7 +31,11 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.cluster.placement import RankSlot, rank_slots, wait_placed, warn_if_split
-from pagedserve.cluster.rank_calls import gather_ranks, short_error
+from pagedserve.cluster.rank_calls import (
+    find_dead_rank,
+    find_silent_rank,
+    gather_ranks,
+)
 from pagedserve.cluster.wire import StepChannel
 from pagedserve.cluster.wire_frames import (
     BadFrameError,
@@ -64,6 +68,7 @@ class RayExecutor:
         step_timeout_s: float = 300.0,
         poll_interval_s: float = 0.5,
         monitor_interval_s: float = 1.0,
+        ping_timeout_s: float = 3.0,
         on_failure: Callable[[WorkerGroupError], None] | None = None,
     ) -> None:
         self.config = config
@@ -73,6 +78,7 @@ class RayExecutor:
         self.step_timeout_s = step_timeout_s
         self.poll_interval_s = poll_interval_s
         self.monitor_interval_s = monitor_interval_s
+        self.ping_timeout_s = ping_timeout_s
         self._actor_cls = actor_cls
         self._on_failure = on_failure
         self._lock = threading.Lock()
@@ -219,31 +225,20 @@ class RayExecutor:
     def _dead_rank(
         self, wait_s: float, exclude: int | None = None, died_only: bool = False
     ) -> WorkerGroupError | None:
-        """A rank (other than ``exclude``) whose ``run`` has ended, preferring one whose actor
-        died (only those with ``died_only``); waits up to ``wait_s`` for the first; None if
-        every such rank is still running."""
-        refs = [ref for ref, rank in self._run_refs.items() if rank != exclude]
-        if not refs:
+        """The root-cause rank of a failure, or None while every rank (but ``exclude``) runs.
+
+        A rank whose ``run`` ended (waiting up to ``wait_s`` for the first), preferring one whose
+        actor died (only those with ``died_only``). A rank whose step merely failed is often the
+        echo of a peer lost with its node, which Ray declares dead only after its health checks:
+        then a rank that no longer answers a ping is the cause."""
+        found = find_dead_rank(self._run_refs, wait_s, exclude, died_only)
+        if found is None and not died_only:
             return None
-        if wait_s > 0:
-            ray.wait(refs, num_returns=1, timeout=wait_s)
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        found: list[tuple[int, int, str]] = []  # (priority, rank, message)
-        for ref in done:
-            rank = self._run_refs[ref]
-            try:
-                result = ray.get(ref, timeout=0)
-                found.append((2, rank, f"its step loop returned {result!r}"))
-            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as exc:
-                found.append((0, rank, f"the worker actor died ({short_error(exc)})"))
-            except Exception as exc:
-                found.append((1, rank, f"its step loop failed ({short_error(exc)})"))
-        if died_only:
-            found = [f for f in found if f[0] == 0]
-        if not found:
-            return None
-        _, rank, message = min(found)
-        return self._error(rank, message)
+        if found is None or found[0] != 0:
+            silent = find_silent_rank(self._actors, self.ping_timeout_s)
+            if silent is not None:
+                return self._error(*silent)
+        return None if found is None else self._error(found[1], found[2])
 
     # ------------------------------------------------------------------ build / teardown
     def _build(self) -> WorkerReport:

@@ -120,7 +120,10 @@ def cluster(testnet: TestNet) -> Cluster:
         "/path/to/pagedserve/deploy": str(REPO / "deploy"),
         "cd my-batch/": f"cd {work / 'batch'}/",
     })
-    walk.run("head", head, work)
+    # Test-only: the head declares a lost node dead within ~2 s instead of ~15 s (Ray's
+    # health-check defaults), so the node-failure test's restart does not wait that out.
+    walk.run("head", head, work, env={"RAY_health_check_period_ms": "500",
+                                      "RAY_health_check_failure_threshold": "3"})
     # README: copy the head's token file to every other node (scp there, a copy here).
     (worker.home / ".ray").mkdir(parents=True, exist_ok=True)
     shutil.copy(head.home / ".ray" / "auth_token", worker.home / ".ray" / "auth_token")

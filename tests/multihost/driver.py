@@ -7,7 +7,8 @@ One process serves the whole suite, so torch, Ray and the connection are paid fo
 
 Commands (``op``):
 - ``generate``: start an ``LLM`` with ``options``, greedy-generate ``prompts``, shut it down;
-  answers the token ids and, per replica, where each rank ran (rank, node id, node IP).
+  answers the token ids and, per replica, where each rank ran (rank, node id, node IP) and
+  the IP of its controller.
 - ``placement``: reserve a worker group's placement group (``strategy``, ``world_size``) and
   answer the rank table (``cluster.placement.rank_slots``) with each rank's node IP.
 - ``start_long``: start an ``LLM`` and requests long enough to be running when the test acts;
@@ -34,11 +35,13 @@ def _node_ips() -> dict[str, str]:
     return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
 
 
-def _replica_ranks(llm: LLM) -> list[list[dict[str, Any]]]:
+def _replica_ranks(llm: LLM) -> list[dict[str, Any]]:
     client: Any = llm.client
     replicas = getattr(client, "replicas", None) or [client]
     infos = ray.get([r.actor.info.remote() for r in replicas], timeout=60)
-    return [info["ranks"] for info in infos]
+    ips = _node_ips()
+    return [{"ranks": info["ranks"], "controller_ip": ips.get(info["node_id"], "?")}
+            for info in infos]
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -67,6 +70,9 @@ class Driver:
             return {"tokens": tokens, "replicas": _replica_ranks(llm)}
         finally:
             llm.shutdown()
+
+    def op_where(self) -> dict[str, Any]:
+        return {"node": ray.get_runtime_context().get_node_id(), "ips": _node_ips()}
 
     def op_placement(self, strategy: str, world_size: int) -> dict[str, Any]:
         from pagedserve.cluster.placement import (

@@ -20,8 +20,10 @@ def test_worker_node_killed_mid_request(driver, cluster, hf_model):
     started = driver("start_long", options={"tensor_parallel_size": 2,
                                             "placement_strategy": "SPREAD"},
                      prompts=PROMPTS, max_tokens=LONG)
-    (ranks,) = started["replicas"]
+    (replica,) = started["replicas"]
+    ranks = replica["ranks"]
     assert [r["node_ip"] for r in ranks] == [head.ip, worker.ip]
+    assert replica["controller_ip"] == head.ip  # beside the driver: the engine outlives h2
     assert not started["finished_early"], "the requests ended before the node was killed"
     lost_node = ranks[1]["node_id"]
 
@@ -36,4 +38,4 @@ def test_worker_node_killed_mid_request(driver, cluster, hf_model):
     assert "again_error" not in out, out.get("again_error")
     assert out["again"] == [hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
     (after,) = out["replicas"]
-    assert [r["node_ip"] for r in after] == [head.ip, head.ip]
+    assert [r["node_ip"] for r in after["ranks"]] == [head.ip, head.ip]

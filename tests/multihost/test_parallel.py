@@ -25,9 +25,11 @@ def test_tp2_across_two_hosts_equals_hf(driver, cluster, hf_model):
     out = driver("generate", options={"tensor_parallel_size": 2, "placement_strategy": "SPREAD"},
                  prompts=PROMPTS, max_tokens=MAX_NEW)
     assert out["tokens"] == [hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
-    (ranks,) = out["replicas"]
-    # Rank 0 (the output rank) sits on the driver's node; rank 1 on the other host.
-    assert _ips(ranks) == [cluster.head.ip, cluster.worker.ip]
+    (replica,) = out["replicas"]
+    # The controller and rank 0 (the output rank) sit on the driver's node; rank 1 on the
+    # other host.
+    assert replica["controller_ip"] == cluster.head.ip
+    assert _ips(replica["ranks"]) == [cluster.head.ip, cluster.worker.ip]
 
 
 def test_tp2_dp2_four_ranks_on_two_hosts_equals_hf(driver, cluster, hf_model):
@@ -37,7 +39,7 @@ def test_tp2_dp2_four_ranks_on_two_hosts_equals_hf(driver, cluster, hf_model):
     replicas = out["replicas"]
     assert len(replicas) == 2
     # PACK keeps each replica's TP group on one host; the two replicas fill both hosts.
-    hosts = [set(_ips(r)) for r in replicas]
+    hosts = [set(_ips(r["ranks"])) for r in replicas]
     assert all(len(h) == 1 for h in hosts), hosts
     assert set.union(*hosts) == {cluster.head.ip, cluster.worker.ip}
 
@@ -52,8 +54,8 @@ def test_dcp2_across_two_hosts_equals_hf(driver, cluster):
                                       "placement_strategy": "SPREAD"},
                  prompts=PROMPTS, max_tokens=MAX_NEW)
     assert out["tokens"] == [hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
-    (ranks,) = out["replicas"]
-    assert _ips(ranks) == [cluster.head.ip, cluster.worker.ip]
+    (replica,) = out["replicas"]
+    assert _ips(replica["ranks"]) == [cluster.head.ip, cluster.worker.ip]
 
 
 def test_placement_strategies_by_ip(driver, cluster):

@@ -74,7 +74,8 @@ def _wait_healthy(url: str, server: subprocess.Popen[str], log: Path, limit_s: f
         except OSError:
             pass
         time.sleep(0.5)
-    raise AssertionError(f"the server was not healthy within {limit_s} s: {log.read_text()[-3000:]}")
+    tail = log.read_text()[-3000:]
+    raise AssertionError(f"the server was not healthy within {limit_s} s: {tail}")
 
 
 def test_serve_on_the_head_answers_a_client_on_another_host(cluster, hf_model):
