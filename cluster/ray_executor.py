@@ -142,7 +142,7 @@ class RayExecutor:
                 # A rank's report may be the echo of another rank's death (a collective that
                 # lost its peer): prefer a rank that died as the root cause.
                 dead = self._dead_rank(1.0, exclude=exc.rank, died_only=True)
-                err = dead or WorkerGroupError(exc.rank, exc.node, f"{exc.exc_type}: {exc.message}")
+                err = dead or self._error(exc.rank, f"{exc.exc_type}: {exc.message}")
                 raise self._fail(err) from exc
             except BadFrameError:
                 logger.warning("dropped a malformed reply frame", exc_info=True)
@@ -194,9 +194,8 @@ class RayExecutor:
 
     def _error(self, rank: int, message: str) -> WorkerGroupError:
         node = self._slots[rank].node_id if 0 <= rank < len(self._slots) else "?"
-        if 0 <= rank < len(self._rank_nodes):
-            node = f"{node} ({self._rank_nodes[rank]['node_ip']})"  # the id, and where it is
-        return WorkerGroupError(rank, node, message)
+        ip = self._rank_nodes[rank]["node_ip"] if 0 <= rank < len(self._rank_nodes) else ""
+        return WorkerGroupError(rank, node, message, ip)
 
     def _fail(self, err: WorkerGroupError) -> WorkerGroupError:
         """Record the group's failure once (the first one is the root cause) and kill the

@@ -8,8 +8,9 @@ the home directory (each host's ``~/.ray/auth_token`` is its own copy) or the te
 session directory has the same path on every node, as on real hosts, but each host's processes
 see their own copy of it: a bind mount in the mount namespace ``ip netns exec`` makes).
 
-- ``TestNet.create(n)`` makes the bridge ``<prefix>-br`` (10.77.0.254/24 in the root namespace)
-  and hosts ``<prefix>-h1 .. hn`` at 10.77.0.1 .. n; ``add_host()`` adds one more later.
+- ``TestNet.create(n)`` makes the bridge ``<prefix>-br`` (10.77.T.254/24 in the root namespace,
+  T fixed per checkout) and hosts ``<prefix>-h1 .. hn`` at 10.77.T.1 .. n; ``add_host()`` adds
+  one more later.
 - ``host.run(cmd)`` / ``host.popen(cmd)`` run a command inside a host, with its environment.
 - ``host.kill_all()`` SIGKILLs every process in the host's namespace, by pid (``ip netns
   pids``): the processes ``ray start`` leaves behind are daemons, not our children.
@@ -24,6 +25,7 @@ peer (the TCPStore does one per connection) would otherwise wait out the resolve
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -34,8 +36,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PREFIX = "psmh"
-SUBNET = "10.77.0"
+# One prefix and subnet per checkout, so that suites run from two checkouts on one machine
+# neither collide nor clean up each other's hosts (only this prefix's leftovers are removed).
+_TAG = int(hashlib.sha1(str(Path(__file__).resolve().parents[2]).encode()).hexdigest(), 16) % 200
+PREFIX = f"psmh{_TAG + 20}"
+SUBNET = f"10.77.{_TAG + 20}"
 BRIDGE_IP = f"{SUBNET}.254"
 ROOT = Path("/tmp") / PREFIX  # short: Ray's unix socket paths live below it
 LOCAL = ROOT / "local"  # each host's private view (see Host.argv)

@@ -1,12 +1,16 @@
-"""A worker node killed mid-request: every process of the worker host, by pid, while a tp = 2
-group with one rank on each host is generating.
+"""A worker node killed mid-request, on three hosts: a third host joins the shared cluster (as
+README's worker block says), a tp = 2 group spreads over two of them, and every process of the
+host holding rank 1 is killed by pid while the group is generating.
 
 The requests in flight fail with a typed error that names the lost node; the engine rebuilds
-its worker group on the capacity that is left (the head holds both ranks now) and serves again,
-equal to Hugging Face. Runs last (conftest): the shared cluster has one host less afterwards.
+its worker group on the capacity that is left (two live hosts) and serves again, equal to
+Hugging Face. Runs last (conftest): the cluster has lost a host afterwards.
 """
 
 from __future__ import annotations
+
+import shutil
+import sys
 
 from helpers.checkpoints import hf_greedy
 
@@ -15,27 +19,43 @@ LONG = 400  # tokens: the requests are still running when the node goes
 MAX_NEW = 8
 
 
+def _join_third_host(cluster):
+    third = cluster.net.add_host()
+    (third.home / ".ray").mkdir(parents=True)
+    shutil.copy(cluster.head.home / ".ray" / "auth_token", third.home / ".ray" / "auth_token")
+    script = cluster.walk.script("worker").replace(cluster.worker.ip, third.ip)
+    third.run(["bash", "-euo", "pipefail", "-c", script], cwd=cluster.work)
+    cluster.head.run([sys.executable, "deploy/scripts/wait_for_nodes.py", "--nodes", "3",
+                      "--timeout", "60"], cwd=cluster.work, env={"RAY_AUTH_MODE": "token"})
+    return third
+
+
 def test_worker_node_killed_mid_request(driver, cluster, hf_model):
-    head, worker = cluster.head, cluster.worker
+    head = cluster.head
+    third = _join_third_host(cluster)
+    hosts = {h.ip: h for h in (head, cluster.worker, third)}
     started = driver("start_long", options={"tensor_parallel_size": 2,
                                             "placement_strategy": "SPREAD"},
                      prompts=PROMPTS, max_tokens=LONG)
     (replica,) = started["replicas"]
     ranks = replica["ranks"]
-    assert [r["node_ip"] for r in ranks] == [head.ip, worker.ip]
-    assert replica["controller_ip"] == head.ip  # beside the driver: the engine outlives h2
+    assert ranks[0]["node_ip"] == head.ip and ranks[1]["node_ip"] != head.ip
+    assert replica["controller_ip"] == head.ip  # beside the driver: it outlives other hosts
+    victim = hosts[ranks[1]["node_ip"]]
     assert not started["finished_early"], "the requests ended before the node was killed"
     lost_node = ranks[1]["node_id"]
 
-    worker.kill_all()
-    assert worker.pids() == []
+    victim.kill_all()
+    assert victim.pids() == []
 
     out = driver("finish_long", prompts=PROMPTS, max_tokens=MAX_NEW)
     errors = out["errors"]
     assert len(errors) == len(PROMPTS) and all(e is not None for e in errors.values()), errors
     for error in errors.values():
-        assert lost_node in error and worker.ip in error, error
+        assert lost_node in error and victim.ip in error, error
     assert "again_error" not in out, out.get("again_error")
     assert out["again"] == [hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
     (after,) = out["replicas"]
-    assert [r["node_ip"] for r in after["ranks"]] == [head.ip, head.ip]
+    live = set(hosts) - {victim.ip}
+    assert after["ranks"][0]["node_ip"] == head.ip
+    assert {r["node_ip"] for r in after["ranks"]} <= live
