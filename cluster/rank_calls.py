@@ -99,6 +99,10 @@ def find_silent_rank(actors: list[Any], timeout_s: float) -> tuple[int, str] | N
             ray.get(ref, timeout=0)
         except Exception as exc:
             return refs[ref], f"the worker does not answer ({short_error(exc)})"
+    if len(pending) > 1:
+        # A loaded host may answer late: give the silent ones as long again before blaming the
+        # lowest rank, so that a slow survivor is not taken for the lost one.
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
     if pending:
         rank = min(refs[r] for r in pending)
         return rank, f"the worker did not answer a ping within {timeout_s:.1f} s (its process or " \

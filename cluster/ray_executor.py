@@ -68,7 +68,7 @@ class RayExecutor:
         step_timeout_s: float = 300.0,
         poll_interval_s: float = 0.5,
         monitor_interval_s: float = 1.0,
-        ping_timeout_s: float = 3.0,
+        ping_timeout_s: float = 5.0,
         on_failure: Callable[[WorkerGroupError], None] | None = None,
     ) -> None:
         self.config = config

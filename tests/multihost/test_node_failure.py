@@ -39,7 +39,7 @@ def test_worker_node_killed_mid_request(driver, cluster, hf_model):
                      prompts=PROMPTS, max_tokens=LONG)
     (replica,) = started["replicas"]
     ranks = replica["ranks"]
-    assert ranks[0]["node_ip"] == head.ip and ranks[1]["node_ip"] != head.ip
+    assert ranks[0]["node_ip"] == head.ip and ranks[1]["node_ip"] != head.ip, replica
     assert replica["controller_ip"] == head.ip  # beside the driver: it outlives other hosts
     victim = hosts[ranks[1]["node_ip"]]
     assert not started["finished_early"], "the requests ended before the node was killed"
@@ -53,7 +53,7 @@ def test_worker_node_killed_mid_request(driver, cluster, hf_model):
     assert len(errors) == len(PROMPTS) and all(e is not None for e in errors.values()), errors
     for error in errors.values():
         assert lost_node in error and victim.ip in error, error
-    assert "again_error" not in out, out.get("again_error")
+    assert "again_error" not in out, out
     assert out["again"] == [hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
     (after,) = out["replicas"]
     live = set(hosts) - {victim.ip}

@@ -60,9 +60,9 @@ def test_dcp2_across_two_hosts_equals_hf(driver, cluster):
 
 def test_placement_strategies_by_ip(driver, cluster):
     head, worker = cluster.head.ip, cluster.worker.ip
-    # PACK: two ranks fit the driver's host (2 CPUs), so they stay there.
+    # PACK: two ranks fit one host (2 CPUs each), so they share one.
     pack = driver("placement", strategy="PACK", world_size=2)["ranks"]
-    assert _ips(pack) == [head, head]
+    assert len(set(_ips(pack))) == 1
     # PACK with more ranks than one host holds spills over, the driver's host first, and the
     # ranks of each host stay consecutive.
     spill = driver("placement", strategy="PACK", world_size=4)["ranks"]
