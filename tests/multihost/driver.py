@@ -71,9 +71,6 @@ class Driver:
         finally:
             llm.shutdown()
 
-    def op_where(self) -> dict[str, Any]:
-        return {"node": ray.get_runtime_context().get_node_id(), "ips": _node_ips()}
-
     def op_placement(self, strategy: str, world_size: int) -> dict[str, Any]:
         from pagedserve.cluster.placement import (
             rank_slots,
