@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -33,6 +34,19 @@ from pagedserve.messages import AddRequest, RequestDelta
 
 def _node_ips() -> dict[str, str]:
     return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _wait_idle(timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until every CPU of the cluster is free again. Removing a placement group
+    (an engine's shutdown, a finished job) frees its bundles asynchronously; a soft strategy
+    (SPREAD, PACK) placed meanwhile settles for the nodes that are free, which is not what the
+    test asks about."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        total = ray.cluster_resources().get("CPU", 0.0)
+        if ray.available_resources().get("CPU", 0.0) >= total:
+            return
+        time.sleep(0.2)
 
 
 def _replica_ranks(llm: LLM) -> list[dict[str, Any]]:
@@ -141,6 +155,7 @@ def main() -> int:
         if op == "quit":
             break
         try:
+            _wait_idle()
             answer = getattr(driver, f"op_{op}")(**cmd)
         except Exception as exc:
             answer = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}

@@ -1,6 +1,6 @@
 """A worker node killed mid-request, on three hosts: a third host joins the shared cluster (as
-README's worker block says), a tp = 2 group spreads over two of them, and every process of the
-host holding rank 1 is killed by pid while the group is generating.
+README's worker block says), a tp = 2 group spreads over two of them, and every process of a
+worker host holding a rank is killed by pid while the group is generating.
 
 The requests in flight fail with a typed error that names the lost node; the engine rebuilds
 its worker group on the capacity that is left (two live hosts) and serves again, equal to
@@ -39,11 +39,14 @@ def test_worker_node_killed_mid_request(driver, cluster, hf_model):
                      prompts=PROMPTS, max_tokens=LONG)
     (replica,) = started["replicas"]
     ranks = replica["ranks"]
-    assert ranks[0]["node_ip"] == head.ip and ranks[1]["node_ip"] != head.ip, replica
+    ips = [r["node_ip"] for r in ranks]
+    assert len(set(ips)) == 2, replica  # SPREAD: two of the three hosts
     assert replica["controller_ip"] == head.ip  # beside the driver: it outlives other hosts
-    victim = hosts[ranks[1]["node_ip"]]
+    # The victim: the host of the highest rank that is not the head's.
+    lost = max((r for r in ranks if r["node_ip"] != head.ip), key=lambda r: r["rank"])
+    victim = hosts[lost["node_ip"]]
     assert not started["finished_early"], "the requests ended before the node was killed"
-    lost_node = ranks[1]["node_id"]
+    lost_node = lost["node_id"]
 
     victim.kill_all()
     assert victim.pids() == []
@@ -57,5 +60,4 @@ def test_worker_node_killed_mid_request(driver, cluster, hf_model):
     assert out["again"] == [hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
     (after,) = out["replicas"]
     live = set(hosts) - {victim.ip}
-    assert after["ranks"][0]["node_ip"] == head.ip
-    assert {r["node_ip"] for r in after["ranks"]} <= live
+    assert {r["node_ip"] for r in after["ranks"]} <= live, after
