@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pagedserve.cluster.placement import remove_quietly, reserve_worker_group
 from pagedserve.cluster.ray_controller import ControllerActor, EngineFactory
@@ -70,7 +71,13 @@ def start_controllers(
                 reserve_worker_group(par.world_size, par.placement_strategy, placement_timeout_s)
                 for _ in range(dp)
             ]
-        strategy = "SPREAD" if dp > 1 else "DEFAULT"
+        # One replica: its controller on the driver's node, next to the client and to rank 0,
+        # so that losing another node costs ranks, never the engine itself (the driver's node
+        # is alive: it runs this). Not soft: Ray's soft affinity does not hold an actor that
+        # asks for no resources. Several replicas: spread, one controller per node.
+        strategy: Any = "SPREAD" if dp > 1 else NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        )
         actors = [
             ControllerActor.options(scheduling_strategy=strategy).remote(
                 config, build, model_name=model_name,

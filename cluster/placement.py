@@ -34,6 +34,7 @@ __all__ = [
     "rank_order",
     "rank_slots",
     "remove_quietly",
+    "warn_if_split",
 ]
 
 logger = logging.getLogger(__name__)
@@ -191,3 +192,24 @@ def remove_quietly(pg: PlacementGroup | None) -> None:
         remove_placement_group(pg)
     except Exception:  # already removed, or the cluster is going away
         logger.debug("removing placement group %s failed", pg.id, exc_info=True)
+
+
+def warn_if_split(ranks: Sequence[Mapping[str, Any]], strategy: str) -> int:
+    """Log where a worker group's ranks landed (``rank``, ``node_id``, ``node_ip`` each) and,
+    when one tensor-parallel group spans several nodes, that every layer's all-reduce now
+    crosses the network. Returns the number of nodes.
+
+    PACK (the default) keeps the group on one node whenever one node has room for it, and
+    spills over only when none has; SPREAD asks for the split on purpose."""
+    nodes = {r["node_id"] for r in ranks}
+    where = ", ".join(f"{r['rank']}->{r['node_ip']} ({str(r['node_id'])[:8]})" for r in ranks)
+    logger.info("worker group on %d node(s): %s", len(nodes), where)
+    if len(nodes) > 1:
+        why = "as SPREAD asks" if strategy == "SPREAD" else f"no single node had room ({strategy})"
+        logger.warning(
+            "the tensor-parallel group spans %d nodes, %s: every layer's all-reduce crosses the "
+            "network, which is much slower than within a node. STRICT_PACK keeps a group on "
+            "one node (it waits for a node with room instead of splitting).",
+            len(nodes), why,
+        )
+    return len(nodes)

@@ -225,6 +225,8 @@ class Controller:
             "replica_index": self.server.replica_index,
             "node_id": self._node_id,
             "pid": os.getpid(),
+            # Where each rank runs (Ray executors only): rank, node id, node IP.
+            "ranks": getattr(engine.executor, "rank_nodes", list)(),
         }
 
     def ping(self) -> bool:

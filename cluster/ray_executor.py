@@ -30,7 +30,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pagedserve.cluster.placement import RankSlot, rank_slots, wait_placed
+from pagedserve.cluster.placement import RankSlot, rank_slots, wait_placed, warn_if_split
+from pagedserve.cluster.rank_calls import (
+    find_dead_rank,
+    find_silent_rank,
+    gather_ranks,
+)
 from pagedserve.cluster.wire import StepChannel
 from pagedserve.cluster.wire_frames import (
     BadFrameError,
@@ -49,13 +54,6 @@ logger = logging.getLogger(__name__)
 OUTPUT_RANK = 0
 
 
-def _short(exc: BaseException) -> str:
-    exc = getattr(exc, "cause", None) or exc  # a RayTaskError wraps the worker's exception
-    text = str(exc).strip().splitlines()
-    head = text[0] if text else ""
-    return f"{type(exc).__name__}: {head}"[:500]
-
-
 class RayExecutor:
     """The ``Executor`` over Ray worker actors (see the module docstring)."""
 
@@ -70,6 +68,7 @@ class RayExecutor:
         step_timeout_s: float = 300.0,
         poll_interval_s: float = 0.5,
         monitor_interval_s: float = 1.0,
+        ping_timeout_s: float = 5.0,
         on_failure: Callable[[WorkerGroupError], None] | None = None,
     ) -> None:
         self.config = config
@@ -79,12 +78,14 @@ class RayExecutor:
         self.step_timeout_s = step_timeout_s
         self.poll_interval_s = poll_interval_s
         self.monitor_interval_s = monitor_interval_s
+        self.ping_timeout_s = ping_timeout_s
         self._actor_cls = actor_cls
         self._on_failure = on_failure
         self._lock = threading.Lock()
         self._failure: WorkerGroupError | None = None
         self._pg: Any = placement_group
         self._slots: list[RankSlot] = []
+        self._rank_nodes: list[dict[str, Any]] = []
         self._actors: list[Any] = []
         self._run_refs: dict[Any, int] = {}
         self._channel: StepChannel | None = None
@@ -141,7 +142,7 @@ class RayExecutor:
                 # A rank's report may be the echo of another rank's death (a collective that
                 # lost its peer): prefer a rank that died as the root cause.
                 dead = self._dead_rank(1.0, exclude=exc.rank, died_only=True)
-                err = dead or WorkerGroupError(exc.rank, exc.node, f"{exc.exc_type}: {exc.message}")
+                err = dead or self._error(exc.rank, f"{exc.exc_type}: {exc.message}")
                 raise self._fail(err) from exc
             except BadFrameError:
                 logger.warning("dropped a malformed reply frame", exc_info=True)
@@ -162,6 +163,10 @@ class RayExecutor:
     def rank_table(self) -> list[RankSlot]:
         """Rank -> (bundle, node id) of the current group."""
         return list(self._slots)
+
+    def rank_nodes(self) -> list[dict[str, Any]]:
+        """Rank -> node id and node IP of the current group (for users' logs and tests)."""
+        return [dict(r) for r in self._rank_nodes]
 
     def worker_actors(self) -> list[Any]:
         """The worker actors, by rank (for tests and diagnostics)."""
@@ -189,7 +194,8 @@ class RayExecutor:
 
     def _error(self, rank: int, message: str) -> WorkerGroupError:
         node = self._slots[rank].node_id if 0 <= rank < len(self._slots) else "?"
-        return WorkerGroupError(rank, node, message)
+        ip = self._rank_nodes[rank]["node_ip"] if 0 <= rank < len(self._rank_nodes) else ""
+        return WorkerGroupError(rank, node, message, ip)
 
     def _fail(self, err: WorkerGroupError) -> WorkerGroupError:
         """Record the group's failure once (the first one is the root cause) and kill the
@@ -218,31 +224,20 @@ class RayExecutor:
     def _dead_rank(
         self, wait_s: float, exclude: int | None = None, died_only: bool = False
     ) -> WorkerGroupError | None:
-        """A rank (other than ``exclude``) whose ``run`` has ended, preferring one whose actor
-        died (only those with ``died_only``); waits up to ``wait_s`` for the first; None if
-        every such rank is still running."""
-        refs = [ref for ref, rank in self._run_refs.items() if rank != exclude]
-        if not refs:
+        """The root-cause rank of a failure, or None while every rank (but ``exclude``) runs.
+
+        A rank whose ``run`` ended (waiting up to ``wait_s`` for the first), preferring one whose
+        actor died (only those with ``died_only``). A rank whose step merely failed is often the
+        echo of a peer lost with its node, which Ray declares dead only after its health checks:
+        then a rank that no longer answers a ping is the cause."""
+        found = find_dead_rank(self._run_refs, wait_s, exclude, died_only)
+        if found is None and not died_only:
             return None
-        if wait_s > 0:
-            ray.wait(refs, num_returns=1, timeout=wait_s)
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        found: list[tuple[int, int, str]] = []  # (priority, rank, message)
-        for ref in done:
-            rank = self._run_refs[ref]
-            try:
-                result = ray.get(ref, timeout=0)
-                found.append((2, rank, f"its step loop returned {result!r}"))
-            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as exc:
-                found.append((0, rank, f"the worker actor died ({_short(exc)})"))
-            except Exception as exc:
-                found.append((1, rank, f"its step loop failed ({_short(exc)})"))
-        if died_only:
-            found = [f for f in found if f[0] == 0]
-        if not found:
-            return None
-        _, rank, message = min(found)
-        return self._error(rank, message)
+        if found is None or found[0] != 0:
+            silent = find_silent_rank(self._actors, self.ping_timeout_s)
+            if silent is not None:
+                return self._error(*silent)
+        return None if found is None else self._error(found[1], found[2])
 
     # ------------------------------------------------------------------ build / teardown
     def _build(self) -> WorkerReport:
@@ -282,6 +277,10 @@ class RayExecutor:
                 raise WorkerGroupError(
                     slot.rank, info["node_id"], f"rank placed off its bundle's node {slot.node_id}"
                 )
+        self._rank_nodes = [
+            {"rank": i["rank"], "node_id": i["node_id"], "node_ip": i["node_ip"]} for i in infos
+        ]
+        warn_if_split(self._rank_nodes, self.config.parallel.placement_strategy)
         if self.world_size > 1:
             self._init_distributed(infos)
         reports = self._gather([a.load_model.remote() for a in self._actors], "load_model")
@@ -289,10 +288,12 @@ class RayExecutor:
         return report
 
     def _init_distributed(self, infos: list[dict[str, Any]]) -> None:
+        # One host: everything over loopback. Several: rank 0's Ray node IP for the store, and
+        # each rank binds its collectives to the interface of its own node IP.
         one_node = len({i["node_id"] for i in infos}) == 1
         host = "127.0.0.1" if one_node else infos[0]["node_ip"]
         (port,) = self._gather([self._actors[0].open_store.remote(host)], "open_store")
-        refs = [a.init_distributed.remote(host, port) for a in self._actors]
+        refs = [a.init_distributed.remote(host, port, one_node) for a in self._actors]
         self._gather(refs, "init_distributed")
 
     def _start_loops(self) -> None:
@@ -318,31 +319,7 @@ class RayExecutor:
         self._start_monitor()
 
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
-        """``ray.get`` of one call per rank, bounded by ``ready_timeout_s``; a failure names
-        the rank (``WorkerGroupError``)."""
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
-        deadline = time.monotonic() + self.ready_timeout_s
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                rank = rank_of[pending[0]]
-                late = sorted(rank_of[r] for r in pending)
-                waited = f"{self.ready_timeout_s:.1f} s"
-                raise self._error(rank, f"{what}: ranks {late} not done within {waited}")
-            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            for ref in done:
-                try:
-                    ray.get(ref, timeout=0)
-                except Exception as exc:
-                    cause = getattr(exc, "cause", None)
-                    if what == "load_model" and not isinstance(cause, (ray.exceptions.RayError,
-                                                                       type(None))):
-                        # The checkpoint itself is bad (missing, unsupported): every rank says
-                        # the same, and the user needs the loader's own typed error.
-                        raise cause from None
-                    raise self._error(rank_of[ref], f"{what} failed: {_short(exc)}") from exc
-        return ray.get(refs, timeout=0)  # type: ignore[no-any-return]
+        return gather_ranks(refs, what, self.ready_timeout_s, self._error)
 
     def _start_monitor(self) -> None:
         self._monitor_stop = threading.Event()

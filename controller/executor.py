@@ -22,17 +22,20 @@ class ExecutorError(RuntimeError):
 
 class WorkerGroupError(ExecutorError):
     """The worker group failed as a whole: a rank died, reported an error or missed its step
-    deadline. Names the root-cause rank and its Ray node id (``rank`` -1 when no single rank is
-    to blame). The group is unusable until the executor's ``restart()`` rebuilt it."""
+    deadline. Names the root-cause rank, its Ray node id and, where known, the node's IP
+    (``rank`` -1 when no single rank is to blame). The group is unusable until the executor's
+    ``restart()`` rebuilt it."""
 
-    def __init__(self, rank: int, node_id: str, message: str) -> None:
-        super().__init__(f"worker group failed: rank {rank} on node {node_id}: {message}")
+    def __init__(self, rank: int, node_id: str, message: str, node_ip: str = "") -> None:
+        where = f"{node_id} ({node_ip})" if node_ip else node_id
+        super().__init__(f"worker group failed: rank {rank} on node {where}: {message}")
         self.rank = rank
         self.node_id = node_id
+        self.node_ip = node_ip
         self.message = message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.rank, self.node_id, self.message))
+        return (type(self), (self.rank, self.node_id, self.message, self.node_ip))
 
 
 class Executor(Protocol):

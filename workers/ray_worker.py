@@ -128,12 +128,18 @@ class RayWorker:
         """Rank 0: open the rendezvous store on ``host``, port 0; returns the port."""
         return int(self._worker.open_store(host))
 
-    def init_distributed(self, master_addr: str | None, master_port: int | None) -> None:
-        """Join the process group (rank 0 passes None: it hosts the store)."""
+    def init_distributed(
+        self, master_addr: str | None, master_port: int | None, one_host: bool = False
+    ) -> None:
+        """Join the process group (rank 0 passes None: it hosts the store). The collectives
+        bind to the interface of this node's Ray IP (the address the other nodes reach it at,
+        whatever the host name resolves to), or to loopback when the group shares one host."""
+        bind = "127.0.0.1" if one_host else self.node_ip
+        where = f"{self.node_id} ({self.node_ip})"
         if self.rank == 0:
-            self._worker.init_distributed()
+            self._worker.init_distributed(bind_address=bind, node=where)
         else:
-            self._worker.init_distributed(master_addr, master_port)
+            self._worker.init_distributed(master_addr, master_port, bind_address=bind, node=where)
 
     def load_model(self) -> WorkerReport:
         report: WorkerReport = self._worker.load_model()

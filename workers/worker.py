@@ -28,6 +28,7 @@ from pagedserve.messages import (
     SchedulerOutput,
     WorkerReport,
 )
+from pagedserve.parallel.netif import bind_collectives
 from pagedserve.parallel.state import (
     ParallelState,
     destroy_parallel_state,
@@ -90,13 +91,21 @@ class Worker:
         master_addr: str | None = None,
         master_port: int | None = None,
         init_method: str | None = None,
+        *,
+        bind_address: str | None = None,
+        node: str = "?",
     ) -> None:
         """Join the TP process group (all ranks at once) and form the DCP subgroups.
 
         Rank 0 uses the store from ``open_store``; the others pass its address and port.
         Alternatively every rank passes the same ``init_method`` (``tcp://host:port``).
+        ``bind_address`` (this rank's node IP, or 127.0.0.1 for a one-host group) picks the
+        interface gloo and NCCL bind to, unless the user set ``GLOO_SOCKET_IFNAME`` /
+        ``NCCL_SOCKET_IFNAME``; ``node`` names this node in the error when none carries it.
         """
         par = self.config.parallel
+        if bind_address is not None and par.tensor_parallel_size > 1:
+            bind_collectives(bind_address, node=node)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         master = None if master_addr is None or master_port is None else (master_addr, master_port)
         self.parallel = join_process_group(

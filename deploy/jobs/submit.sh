@@ -16,6 +16,9 @@ DATA_DIR="${1:?usage: submit.sh DATA_DIR [RESULTS_PATH]}"
 RESULTS="${2:-/data/results/prompts.out.jsonl}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
+# The job server checks Ray's token: the cluster's ~/.ray/auth_token copied here, or
+# RAY_AUTH_TOKEN (deploy/README.md, "Token authentication").
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 
 cd "$DATA_DIR"
 ray job submit \
