@@ -254,8 +254,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--engines", default=",".join(e for e in ENGINES if e != "vllm"),
-                    help="comma-separated; vllm is added when --vllm-venv is given")
+    ap.add_argument("--engines", default="pagedserve,pagedserve-local,hf-static,hf-cb",
+                    help="comma-separated; vllm (base, base-local) is added when --vllm-venv "
+                         "(--baseline-venv) is given")
     ap.add_argument("--vllm-venv", default=None)
     ap.add_argument("--baseline-venv", default=None,
                     help="adds base and base-local: pagedserve as installed in that venv")
