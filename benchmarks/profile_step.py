@@ -1,8 +1,9 @@
 """Where a step's time goes: a py-spy sampling profile of the in-process engine on the peers
 workload (``benchmarks/peers.py``), each sample filed under the innermost part it is in.
 
-Parts: the linear layers (GEMMs, lm head included), attention split into the K/V gather through
-the block table, the attention math, the scatter of its output and the plan (indices, masks),
+Parts: the linear layers (GEMMs, lm head included), attention split into the compiled CPU
+kernel (float32), or on the torch path the K/V gather through the block table, the attention
+math, the scatter of its output and the plan (indices, masks),
 the cache write, norms, rotary, the activation, the embedding, per-layer Python (module calls,
 views), sampling, input preparation (the model runner), the scheduler, the controller's output
 building and detokenization. Samples outside the engine's step loop (start-up, model loading)
@@ -32,6 +33,7 @@ _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 # (part, function name, file suffix or None); the innermost frame that matches names the part.
 RULES: list[tuple[str, str, str | None]] = [
     ("sampling", "Sampler.", "workers/sampler.py"),
+    ("attention: compiled CPU kernel", "cpu_paged_attention", "kernels/cpu.py"),
     ("attention: plan (indices, masks)", "", "kernels/reference.py:plan"),
     ("attention: math (SDPA / matmul)", "_attend", "kernels/reference.py"),
     ("attention: K/V gather", "", "kernels/reference.py:index_select"),
@@ -43,6 +45,9 @@ RULES: list[tuple[str, str, str | None]] = [
     ("norms", "RMSNorm.", None),
     ("rotary", "Rotary", None),
     ("rotary", "_rotate", None),
+    ("rotary", "rotary", "kernels/layer_ops.py"),
+    ("norms", "rms_norm", "kernels/layer_ops.py"),
+    ("activation", "silu_and_mul", "kernels/layer_ops.py"),
     ("activation", "SiluAndMul", None),
     ("attention: other (checks, views)", "", "kernels/"),
     ("attention: other (checks, views)", "PagedAttention.forward", None),

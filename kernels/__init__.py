@@ -1,10 +1,11 @@
-"""Paged-attention kernels: Triton on CUDA, pure torch on CPU.
+"""Paged-attention kernels: Triton on CUDA, compiled C++ or pure torch on CPU.
 
 The un-prefixed names dispatch on the device of their tensors: CUDA tensors go to the Triton
 kernels (falling back to the torch reference, which runs on any device, for shapes or dtypes the
-kernels do not support, e.g. a head dim that is not a power of two or float64); everything else
-goes to the torch reference. ``triton_*`` and ``*_ref`` pick an implementation explicitly (the
-tests run both on CPU, Triton through ``TRITON_INTERPRET=1``).
+kernels do not support, e.g. a head dim that is not a power of two or float64); float32 on CPU
+goes to the compiled kernels of ``kernels.cpu`` (without context parallelism, once built);
+everything else goes to the torch reference. ``triton_*`` and ``*_ref`` pick an implementation
+explicitly (the tests run both on CPU, Triton through ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels._checks import TRITON_FLOAT_DTYPES
+from pagedserve.kernels._checks import (
+    TRITON_FLOAT_DTYPES,
+    check_paged_attention,
+    check_reshape_and_cache,
+)
 from pagedserve.kernels.attention import paged_attention as triton_paged_attention
 from pagedserve.kernels.cache import reshape_and_cache as triton_reshape_and_cache
 from pagedserve.kernels.copy import copy_blocks as triton_copy_blocks
@@ -24,6 +29,7 @@ from pagedserve.kernels.cp_layout import (
     cp_local_seq_len,
     cp_owner_and_offset,
 )
+from pagedserve.kernels.cpu import cpu_ops, cpu_paged_attention
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
 from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
 from pagedserve.kernels.reference import (
@@ -43,6 +49,14 @@ def _use_triton(x: torch.Tensor, head_dim: int | None = None) -> bool:
     return head_dim is None or (16 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0)
 
 
+def _use_cpu_kernel(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                    cp: CPLayout) -> bool:
+    """The compiled CPU kernel serves float32 without context parallelism, once it is built."""
+    return (q.device.type == "cpu" and cp.size == 1
+            and q.dtype == kv_cache.dtype == out.dtype == torch.float32
+            and cpu_ops() is not None)
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [T, H_kv, D]
     value: torch.Tensor,  # [T, H_kv, D]
@@ -50,8 +64,17 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [T], int32/int64; -1 = skip
 ) -> None:
     """Writes keys and values into their slots; see ``reshape_and_cache_ref``."""
-    impl = triton_reshape_and_cache if _use_triton(kv_cache) else reshape_and_cache_ref
-    impl(key, value, kv_cache, slot_mapping)
+    if _use_triton(kv_cache):
+        triton_reshape_and_cache(key, value, kv_cache, slot_mapping)
+    elif (kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype
+          == torch.float32 and cpu_ops() is not None):
+        try:  # checked by the kernel; the typed error as above
+            cpu_ops().reshape_and_cache(key, value, kv_cache, slot_mapping)
+        except RuntimeError:
+            check_reshape_and_cache(key, value, kv_cache, slot_mapping)
+            raise
+    else:
+        reshape_and_cache_ref(key, value, kv_cache, slot_mapping)
 
 
 def paged_attention(
@@ -76,6 +99,17 @@ def paged_attention(
         return triton_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                       softmax_scale, sliding_window=sliding_window, cp=cp,
                                       return_lse=return_lse, num_kv_splits=num_kv_splits)
+    if _use_cpu_kernel(q, kv_cache, out, cp):
+        # The kernel checks its arguments itself (a Python check per layer costs more than a
+        # decode step's attention on a small model); the typed error comes from the same check
+        # the other paths run, once something is wrong.
+        try:
+            return cpu_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
+                                       softmax_scale, sliding_window, return_lse)
+        except RuntimeError:
+            check_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
+                                  softmax_scale, sliding_window, cp)
+            raise
     plan = None
     if plans is not None:
         key = (sliding_window, cp, tuple(kv_cache.shape[2:]), q.shape[1], q.dtype)
@@ -120,6 +154,7 @@ __all__ = [
     "cp_global_position",
     "cp_local_seq_len",
     "cp_owner_and_offset",
+    "cpu_paged_attention",
     "merge_attn_states",
     "merge_attn_states_ref",
     "paged_attention",

@@ -21,7 +21,7 @@ from pagedserve.controller.client import EngineClient
 from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.outputs import final_output_sink
 from pagedserve.messages import AddRequest, RequestOutput, SamplingParams, SamplingParamsError
-from pagedserve.serving.batch_job import run_job
+from pagedserve.serving.batch_job import nothing_left, run_job
 from pagedserve.serving.chat import ChatError, render_chat, user_turn
 from pagedserve.serving.engine_args import add_engine_arguments, engine_options
 
@@ -161,6 +161,10 @@ def run_generate_job(args: argparse.Namespace) -> int:
     except SamplingParamsError as exc:
         print(f"pagedserve generate: invalid sampling option {exc}", file=sys.stderr)
         return 2
+    done = None if args.input is None else nothing_left(args.input, args.output)
+    if done is not None:  # a rerun after the last line was written: no engine to start
+        print(f"pagedserve generate: {done.describe()}", file=sys.stderr)
+        return done.exit_status
     try:
         client = _start_client(args)
     except ConfigError as exc:  # an unknown --model among them

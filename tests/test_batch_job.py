@@ -19,7 +19,7 @@ from helpers.checkpoints import make_checkpoint
 from pagedserve.builder import start_engine
 from pagedserve.config import from_flat
 from pagedserve.messages import SamplingParams
-from pagedserve.serving.batch_job import run_job
+from pagedserve.serving.batch_job import nothing_left, run_job
 from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
 from pagedserve.serving.job_lines import id_key
 
@@ -186,6 +186,7 @@ def test_restart_skips_done_ids(client, tmp_path: Path) -> None:
     torn = next(line for line in raw if line not in kept)
     partial.write_text("".join(kept) + torn[: len(torn) // 2], encoding="utf-8")
 
+    assert nothing_left(str(inp), str(partial)) is None
     summary = run_job(client, str(inp), str(partial), GREEDY, progress="none")
     assert summary.skipped == 3 and summary.succeeded == 6 and summary.failed == 0
     assert summary.exit_status == 0
@@ -195,10 +196,12 @@ def test_restart_skips_done_ids(client, tmp_path: Path) -> None:
         assert resumed[key].get("token_ids") == rec.get("token_ids"), key
         assert resumed[key].get("error") == rec.get("error"), key
 
-    # A third run has nothing left to do.
+    # A third run has nothing left to do, and the command knows before starting an engine.
     again = run_job(client, str(inp), str(partial), GREEDY, progress="none")
     assert again.skipped == 9 and again.succeeded == again.failed == 0
     assert len(_records(partial)) == 9
+    left = nothing_left(str(inp), str(partial))
+    assert left is not None and (left.total, left.skipped, left.exit_status) == (9, 9, 0)
 
 
 def test_greedy_text_equals_llm(client, ckpt: Path, tmp_path: Path) -> None:

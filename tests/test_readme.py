@@ -96,8 +96,9 @@ def test_batch_job_example(tmp_path: Path, env: dict[str, str]) -> None:
     assert 0 < len(by_id["a"]["token_ids"]) <= 16
     assert len(by_id["b"]["token_ids"]) <= 8
     assert len(by_id["c"]["choices"]) == 2
-    # Rerunning skips every id already written.
-    _run(["bash", "-euo", "pipefail", "-c", code], tmp_path, env)
+    # Rerunning skips every id already written, without starting an engine.
+    rerun = _run(["bash", "-euo", "pipefail", "-c", code], tmp_path, env)
+    assert "0 succeeded, 0 failed, 3 already done" in rerun.stderr
     again = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(again) == 3
 

@@ -1,10 +1,11 @@
-"""Gated activations."""
+"""Gated activations (``kernels.layer_ops``)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.kernels.layer_ops import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
@@ -12,5 +13,4 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, 2 * I] -> [T, I]
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

@@ -1,9 +1,11 @@
-"""RMSNorm, computed in float32 like the reference implementation."""
+"""RMSNorm, computed in float32 like the reference implementation (``kernels.layer_ops``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedserve.kernels.layer_ops import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -14,7 +16,4 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]; normalise in float32, scale in the input dtype.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)

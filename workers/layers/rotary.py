@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.kernels.layer_ops import rotary
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -81,13 +83,5 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> both rotated, contiguous
+        return rotary(q, k, positions, self.cos, self.sin)

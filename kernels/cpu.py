@@ -1,0 +1,104 @@
+"""The compiled CPU kernels: paged attention that reads K/V through the block table in place
+(``csrc/paged_attention_cpu.cpp``) and a layer's pointwise ops (``csrc/layers_cpu.cpp``, used
+through ``kernels.layer_ops`` and ``kernels.reshape_and_cache``).
+
+The library is built on first use with the machine's C++ compiler
+(``torch.utils.cpp_extension``, ninja from the ``ninja`` package) into
+``$TORCH_EXTENSIONS_DIR/pagedserve-cpu-<key>`` (default ``~/.cache/torch_extensions``; not
+``XDG_CACHE_HOME``, which deployments and tests point at per-model caches: each would rebuild),
+the key covering the source, the flags, torch's version and the CPU's instruction sets (it is
+built with ``-march=native``), so a home shared by machines of different CPUs never loads a
+foreign build. Processes building at once wait on
+torch's lock in that folder. Where no compiler works, :func:`cpu_ops` returns None once, with a
+warning, and the dispatcher keeps the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.kernels.errors import KernelArgumentError
+
+log = logging.getLogger(__name__)
+
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                 for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "vec_exp.h"))
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256()
+    for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_FLAGS).encode(),
+                 torch.__version__.encode(), _cpu_flags().encode()):
+        key.update(part)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"pagedserve-cpu-{key.hexdigest()[:16]}"
+
+
+@functools.cache
+def cpu_ops() -> Any:
+    """``torch.ops.pagedserve_cpu`` once the library is built and loaded, else None."""
+    try:
+        import ninja  # the build tool, as a Python package so that pip installs it
+
+        build = _build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        # torch looks for ninja on PATH; a venv's bin is not on it unless activated.
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        from torch.utils.cpp_extension import load
+
+        load(name="pagedserve_cpu", sources=[str(s) for s in _SOURCES if s.suffix == ".cpp"],
+             extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"],
+             build_directory=str(build), is_python_module=False, verbose=False)
+        return torch.ops.pagedserve_cpu
+    except Exception as exc:  # no compiler, no headers, a failed build: keep the torch path
+        log.warning("pagedserve: the compiled CPU attention kernel is unavailable (%s: %s); "
+                    "using the torch reference", type(exc).__name__, exc)
+        return None
+
+
+def cpu_paged_attention(
+    q: torch.Tensor,  # [T_q, H_q, D] float32, unit stride in D
+    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D] float32, contiguous
+    out: torch.Tensor,  # [T_q, H_q, D] float32, unit stride in D; written
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
+    softmax_scale: float,
+    sliding_window: int | None,
+    return_lse: bool,
+) -> torch.Tensor | None:
+    """``paged_attention_ref``'s semantics without context parallelism, through the compiled
+    kernel (the caller has checked :func:`cpu_ops`). Returns the LSE ``[T_q, H_q]`` if asked."""
+    ops = cpu_ops()
+    lse = (torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
+           if return_lse else torch.empty(0, dtype=torch.float32))
+    bad = ops.paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens,
+                              block_table.contiguous(), float(softmax_scale),
+                              -1 if sliding_window is None else int(sliding_window), lse)
+    if bad >= 0:
+        q_len = int(cu_seqlens_q[bad + 1] - cu_seqlens_q[bad])
+        raise KernelArgumentError(
+            f"sequence {bad} (new tokens {q_len}, length {int(seq_lens[bad])}) does not fit its "
+            f"block-table row of {block_table.shape[1]} blocks of {kv_cache.shape[2]} in a pool "
+            f"of {kv_cache.shape[0]} blocks")
+    return lse if return_lse else None

@@ -1,0 +1,279 @@
+// Paged attention on CPU, reading K and V through the block table in place.
+//
+// The torch reference has to copy every sequence's K/V out of its blocks into a contiguous
+// tensor before SDPA can read it, in every layer of every step: three passes over the context's
+// bytes (read, write, read again) where attention needs one. This kernel walks each sequence's
+// blocks and keeps a flash-style running softmax per query row, so the cache is read once.
+//
+// Semantics are those of paged_attention_ref without context parallelism: query i of a
+// sequence of L tokens, q_len of them new, sits at position L - q_len + i and sees the keys at
+// positions p <= pos (and p > pos - window when window >= 1; -1: no window). Math is float32.
+//
+// Layouts: q and out [T, H_q, D] with unit stride in D; kv_cache [num_blocks, 2, B, H_kv, D]
+// contiguous; block_table [S, max_blocks] int32 contiguous; lse [T, H_q] float32 or empty.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec_exp.h"
+
+namespace {
+
+// New tokens of one sequence handled by one work item; bounds the per-item accumulators at
+// kQueryTile * G rows of D floats.
+constexpr int64_t kQueryTile = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Item {
+  int64_t seq, kv_head, q_begin, q_end, cost;
+};
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// acc[0, d) += sum_j p[j] * v_j over nv value rows. With d known at compile time the row of
+// accumulators stays in registers across the keys instead of being loaded and stored per key.
+template <int64_t D>
+inline void pv_fixed(float* __restrict acc, const float* __restrict p, const float* v,
+                     int64_t stride, int64_t nv) {
+  float reg[D];
+  for (int64_t i = 0; i < D; ++i) reg[i] = acc[i];
+  for (int64_t j = 0; j < nv; ++j) {
+    const float pj = p[j];
+    const float* vj = v + j * stride;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) reg[i] += pj * vj[i];
+  }
+  for (int64_t i = 0; i < D; ++i) acc[i] = reg[i];
+}
+
+inline void pv(float* acc, const float* p, const float* v, int64_t stride, int64_t nv,
+               int64_t d) {
+  switch (d) {
+    case 64: return pv_fixed<64>(acc, p, v, stride, nv);
+    case 128: return pv_fixed<128>(acc, p, v, stride, nv);
+    case 32: return pv_fixed<32>(acc, p, v, stride, nv);
+    default:
+      for (int64_t j = 0; j < nv; ++j) axpy(acc, p[j], v + j * stride, d);
+  }
+}
+
+inline void scale_row(float* __restrict y, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+struct Args {
+  const float* q;
+  int64_t q_st, q_sh;  // token and head strides of q
+  const float* kv;
+  float* out;
+  int64_t o_st, o_sh;
+  float* lse;  // nullptr: not asked for
+  const int32_t* cu;
+  const int32_t* lens;
+  const int32_t* table;
+  int64_t max_blocks, block, hkv, group, dim, window;
+  float scale;
+};
+
+// One (sequence, kv head, query tile): the tile's G * nq query rows over the visible keys.
+void attend(const Args& a, const Item& it, std::vector<float>& acc, std::vector<float>& m,
+            std::vector<float>& l, std::vector<float>& s, std::vector<float>& kt) {
+  const int64_t d = a.dim, g_n = a.group, bs = a.block;
+  const int64_t nq = it.q_end - it.q_begin, rows = nq * g_n;
+  const int64_t tok0 = a.cu[it.seq], q_len = a.cu[it.seq + 1] - tok0;
+  const int64_t ctx = a.lens[it.seq] - q_len;  // position of new token 0
+  const int64_t row_stride = a.hkv * d;        // between consecutive tokens of a block
+  acc.assign(rows * d, 0.f);
+  m.assign(rows, kNegInf);
+  l.assign(rows, 0.f);
+  s.resize(bs);
+  const int64_t hi = ctx + it.q_end;  // keys [lo, hi) cover the tile
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx + it.q_begin - a.window + 1) : 0;
+  const int32_t* blocks = a.table + it.seq * a.max_blocks;
+  for (int64_t b = lo / bs; b * bs < hi; ++b) {
+    const float* kb = a.kv + (static_cast<int64_t>(blocks[b]) * 2 * bs) * row_stride +
+                      it.kv_head * d;
+    const float* vb = kb + bs * row_stride;
+    const int64_t j0 = std::max(lo, b * bs), j1 = std::min(hi, b * bs + bs), nj = j1 - j0;
+    // Many rows against this block (a prefill tile): transpose its keys to [D, nj] once, so
+    // each row's scores are D broadcast multiply-adds over nj lanes instead of nj dot products
+    // that each end in a horizontal sum.
+    const bool transposed = rows >= 8;
+    if (transposed) {
+      kt.resize(d * bs);
+      for (int64_t j = 0; j < nj; ++j) {
+        const float* kr = kb + (j0 + j - b * bs) * row_stride;
+        for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = kr[i];
+      }
+    }
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t pos = ctx + it.q_begin + qi;
+      const int64_t ja = a.window > 0 ? std::max(j0, pos - a.window + 1) : j0;
+      const int64_t jb = std::min(j1, pos + 1);
+      if (ja >= jb) continue;
+      const int64_t tok = tok0 + it.q_begin + qi;
+      for (int64_t g = 0; g < g_n; ++g) {
+        const int64_t r = qi * g_n + g;
+        const float* qr = a.q + tok * a.q_st + (it.kv_head * g_n + g) * a.q_sh;
+        float* sc = s.data();  // scores of keys [ja, jb) at sc[j - j0]
+        if (transposed) {
+          std::fill(sc, sc + nj, 0.f);
+          for (int64_t i = 0; i < d; ++i) {
+            const float qd = qr[i] * a.scale;
+            const float* kd = kt.data() + i * bs;
+#pragma omp simd
+            for (int64_t j = 0; j < nj; ++j) sc[j] += qd * kd[j];
+          }
+        } else {
+          for (int64_t j = ja; j < jb; ++j) {
+            sc[j - j0] = dot(qr, kb + (j - b * bs) * row_stride, d) * a.scale;
+          }
+        }
+        float mx = kNegInf;
+        for (int64_t j = ja; j < jb; ++j) mx = std::max(mx, sc[j - j0]);
+        const float m_new = std::max(m[r], mx);
+        float* ar = acc.data() + r * d;
+        if (m[r] != m_new) {  // rescale what was summed under the old maximum
+          const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+          l[r] *= corr;
+          scale_row(ar, corr, d);
+          m[r] = m_new;
+        }
+        float* pr = sc + (ja - j0);  // probabilities in place of the scores
+        const int64_t nv = jb - ja;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < nv; ++j) {
+          pr[j] = vec_exp(pr[j] - m_new);
+          sum += pr[j];
+        }
+        pv(ar, pr, vb + (ja - b * bs) * row_stride, row_stride, nv, d);
+        l[r] += sum;
+      }
+    }
+  }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const int64_t tok = tok0 + it.q_begin + qi;
+    for (int64_t g = 0; g < g_n; ++g) {
+      const int64_t r = qi * g_n + g, head = it.kv_head * g_n + g;
+      float* o = a.out + tok * a.o_st + head * a.o_sh;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      const float* ar = acc.data() + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) o[i] = ar[i] * inv;
+      if (a.lse != nullptr) {
+        a.lse[tok * (a.hkv * g_n) + head] = l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
+      }
+    }
+  }
+}
+
+// Returns -1, or the first sequence whose metadata the kernel cannot follow (more new tokens
+// than its length, a length past its block-table row, a block id outside the pool): the caller
+// raises its typed error, and nothing was read or written.
+int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Tensor& out,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                     const at::Tensor& block_table, double scale, int64_t window,
+                     at::Tensor& lse) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat,
+              "paged_attention (CPU kernel): q, kv_cache and out must be float32");
+  TORCH_CHECK(q.is_cpu() && kv_cache.is_cpu() && out.is_cpu() && cu_seqlens_q.is_cpu() &&
+                  seq_lens.is_cpu() && block_table.is_cpu() && (!lse.defined() || lse.is_cpu()),
+              "paged_attention (CPU kernel): every tensor must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && kv_cache.dim() == 5 &&
+                  kv_cache.size(1) == 2 && kv_cache.size(4) == q.size(2),
+              "q and out [T, H_q, D], kv_cache [NB, 2, B, H_kv, D]");
+  TORCH_CHECK(seq_lens.dim() == 1 && cu_seqlens_q.dim() == 1 &&
+                  cu_seqlens_q.size(0) == seq_lens.size(0) + 1 && block_table.dim() == 2 &&
+                  block_table.size(0) == seq_lens.size(0) && cu_seqlens_q.is_contiguous() &&
+                  seq_lens.is_contiguous(),
+              "cu_seqlens_q [S + 1], seq_lens [S], block_table [S, max_blocks]");
+  TORCH_CHECK(window == -1 || window >= 1, "sliding_window must be >= 1");
+  TORCH_CHECK(scale > 0, "softmax_scale must be > 0");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need unit stride in D");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_table.is_contiguous(), "need contiguous");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_table.scalar_type() == at::kInt,
+              "metadata must be int32");
+  const int64_t hq = q.size(1), hkv = kv_cache.size(3), num_seqs = seq_lens.size(0);
+  TORCH_CHECK(hq % hkv == 0, "num_q_heads must be a multiple of num_kv_heads");
+  const bool want_lse = lse.numel() > 0;
+  TORCH_CHECK(!want_lse || (lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                            lse.size(1) == hq),
+              "lse must be [T, H_q] float32 contiguous");
+  Args a{q.data_ptr<float>(), q.stride(0), q.stride(1), kv_cache.data_ptr<float>(),
+         out.data_ptr<float>(), out.stride(0), out.stride(1),
+         want_lse ? lse.data_ptr<float>() : nullptr, cu_seqlens_q.data_ptr<int32_t>(),
+         seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(), block_table.size(1),
+         kv_cache.size(2), hkv, hq / hkv, q.size(2), window, static_cast<float>(scale)};
+
+  const int64_t num_blocks = kv_cache.size(0);
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = a.cu[s + 1] - a.cu[s];
+    if (q_len == 0) continue;
+    if (a.cu[s] < 0 || a.cu[s + 1] > q.size(0)) return s;
+    const int64_t len = a.lens[s];
+    if (q_len < 0 || q_len > len || len > a.max_blocks * a.block) return s;
+    const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - q_len - a.window + 1) : 0;
+    for (int64_t b = first / a.block; b * a.block < len; ++b) {
+      const int32_t id = a.table[s * a.max_blocks + b];
+      if (id < 0 || id >= num_blocks) return s;
+    }
+    for (int64_t q0 = 0; q0 < q_len; q0 += kQueryTile) {
+      const int64_t q1 = std::min(q_len, q0 + kQueryTile);
+      const int64_t keys = a.lens[s] - q_len + q1;
+      const int64_t cost = (q1 - q0) * (a.window > 0 ? std::min(keys, a.window + q1 - q0) : keys);
+      for (int64_t h = 0; h < hkv; ++h) items.push_back({s, h, q0, q1, cost});
+    }
+  }
+  // Longest first, handed out one at a time: the threads finish together whatever the mix.
+  std::sort(items.begin(), items.end(),
+            [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  auto worker = [&](int64_t, int64_t) {
+    std::vector<float> acc, m, l, s, kt;  // per-thread scratch, reused across items
+    for (int64_t i = next++; i < n; i = next++) attend(a, items[i], acc, m, l, s, kt);
+  };
+  int64_t work = 0;  // multiply-adds, roughly
+  for (const Item& it : items) work += it.cost * a.group * a.dim * 2;
+  // Below ~64K multiply-adds (a single short decode) waking the other threads costs more.
+  const int64_t threads = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, threads, 1, worker);
+  }
+  return -1;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, lib) {
+  lib.def(
+      "paged_attention(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor cu_seqlens_q, "
+      "Tensor seq_lens, Tensor block_table, float scale, int window, Tensor(b!) lse) -> int");
+  lib.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
+}

@@ -1,0 +1,74 @@
+"""A decoder layer's pointwise ops: RMSNorm, rotary embedding, SiLU-and-mul.
+
+Each is a torch expression (``*_ref``, any device and dtype; the semantics) and, for float32 on
+CPU once the compiled library is built (``kernels.cpu``), one pass of ``csrc/layers_cpu.cpp``
+in place of the expression's 4-8 operator launches. CUDA keeps the torch expressions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.cpu import cpu_ops
+
+
+def _compiled(*xs: torch.Tensor) -> bool:
+    return (all(x.device.type == "cpu" and x.dtype == torch.float32 for x in xs)
+            and cpu_ops() is not None)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., H]; normalise in float32, scale in the input dtype (as Hugging Face does).
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim of ``x`` [..., H]."""
+    if x.dim() == 2 and x.stride(-1) == 1 and _compiled(x, weight):
+        return cpu_ops().rms_norm(x, weight, float(eps))  # type: ignore[union-attr]
+    return rms_norm_ref(x, weight, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_ref(
+    q: torch.Tensor,  # [T, H_q, D]
+    k: torch.Tensor,  # [T, H_kv, D]
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [P, D/2] float32
+    sin: torch.Tensor,  # [P, D/2] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    s = sin[positions].unsqueeze(1)
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-rotation RoPE of q [T, H_q, D] and k [T, H_kv, D] at ``positions``; the results are
+    contiguous (the inputs may be views of a fused projection)."""
+    if (q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.int64
+            and _compiled(q, k, cos, sin)):
+        return cpu_ops().rotary(q, k, positions.contiguous(), cos, sin)  # type: ignore[union-attr]
+    return rotary_ref(q, k, positions, cos, sin)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` over a fused ``[gate | up]`` input [T, 2I] -> [T, I]."""
+    if x.dim() == 2 and x.stride(-1) == 1 and _compiled(x):
+        return cpu_ops().silu_and_mul(x)  # type: ignore[union-attr]
+    return silu_and_mul_ref(x)

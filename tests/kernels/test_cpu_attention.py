@@ -1,0 +1,126 @@
+"""The compiled CPU paged-attention kernel against float64 dense attention and the torch
+reference: the same batches as the reference's tests (prefill, chunked continuation over cached
+context, multi-token steps, decodes; scattered block ids, unused table entries outside the
+cache), every block size against every GQA ratio, windows, the LSE, strided q, long prefills
+that span several of the kernel's query tiles, and the typed errors for metadata it cannot
+follow. The kernel is built by the first test (a C++ compiler is part of the install)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedserve.kernels import (
+    KernelArgumentError,
+    cpu_paged_attention,
+    paged_attention,
+    paged_attention_ref,
+)
+from pagedserve.kernels import cpu as cpu_kernels
+
+
+def _mix(block_size: int) -> tuple[list[int], list[int]]:
+    q_lens = [19, 13, 3, 1, 1, 1, 1]
+    seq_lens = [19, 13 + 2 * block_size + 3, 40, 4 * block_size, 1, 97, 6]
+    return q_lens, seq_lens
+
+
+def _cpu(b, window=None, lse=True, q=None):
+    q = b.q if q is None else q
+    out = torch.full(q.shape, math.nan)
+    got = cpu_paged_attention(q, b.caches[0], out, b.cu_seqlens_q, b.seq_lens, b.block_table,
+                              b.scale, window, lse)
+    return out, got
+
+
+def test_kernel_builds() -> None:
+    assert cpu_kernels.cpu_ops() is not None, "the compiled CPU kernel did not build"
+
+
+CASES = [
+    (8, 1, 2, 64, None), (8, 4, 2, 128, 5), (8, 8, 1, 64, 40),
+    (16, 1, 2, 128, 40), (16, 4, 1, 64, None), (16, 8, 2, 128, 5),
+    (32, 1, 1, 64, 5), (32, 4, 2, 128, None), (32, 8, 1, 64, 40),
+    (16, 3, 2, 72, 9), (8, 16, 1, 100, None),  # odd group and head dims
+]
+
+
+@pytest.mark.parametrize("block_size,group,h_kv,d,window", CASES)
+def test_matches_dense(kh, block_size, group, h_kv, d, window) -> None:
+    b = kh.make_batch(*_mix(block_size), block_size, h_kv, group, d, seed=block_size + d)
+    want_out, want_lse = kh.dense_attention(b, window)
+    out, lse = _cpu(b, window)
+    assert kh.rel_err(out, want_out) <= kh.TOL[torch.float32]
+    assert kh.rel_err(lse, want_lse) <= kh.TOL[torch.float32]
+    out2, none = _cpu(b, window, lse=False)
+    assert none is None and torch.equal(out2, out)
+
+
+@pytest.mark.parametrize("window", [None, 23])
+def test_long_prefill_spans_query_tiles(kh, window) -> None:
+    # 70 and 45 new tokens over cached context: several 16-query tiles per sequence, a window
+    # that starts inside a block, and a decode beside them.
+    b = kh.make_batch([70, 45, 1], [70, 45 + 37, 130], 16, 2, 4, 64, seed=9)
+    want = kh.dense_attention(b, window)
+    out, lse = _cpu(b, window)
+    assert kh.rel_err(out, want[0]) <= kh.TOL[torch.float32]
+    assert kh.rel_err(lse, want[1]) <= kh.TOL[torch.float32]
+
+
+def test_strided_q_and_out(kh) -> None:
+    """q as the model hands it over: a view into a fused qkv projection (token stride wider
+    than H_q * D); out a view too."""
+    b = kh.make_batch(*_mix(16), 16, 2, 2, 64, seed=4)
+    t, hq, d = b.q.shape
+    fused = torch.randn(t, 3 * hq * d)
+    q = fused[:, : hq * d].view(t, hq, d)
+    q.copy_(b.q)
+    wide = torch.full((t, 2 * hq * d), math.nan)
+    out = wide[:, hq * d:].view(t, hq, d)
+    cpu_paged_attention(q, b.caches[0], out, b.cu_seqlens_q, b.seq_lens, b.block_table,
+                        b.scale, None, False)
+    assert kh.rel_err(out, kh.dense_attention(b)[0]) <= kh.TOL[torch.float32]
+    assert torch.isnan(wide[:, : hq * d]).all()  # nothing written outside out
+
+
+def test_dispatcher_on_cpu(kh, monkeypatch) -> None:
+    """float32 on CPU takes the compiled kernel; float64, and float32 when the kernel cannot be
+    built, take the torch reference (bit for bit)."""
+    b = kh.make_batch(*_mix(16), 16, 2, 4, 64, seed=5)
+    out = torch.empty_like(b.q)
+    lse = paged_attention(b.q, b.caches[0], out, b.cu_seqlens_q, b.seq_lens, b.block_table,
+                          b.scale, return_lse=True)
+    want = _cpu(b)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    b64 = kh.make_batch(*_mix(16), 16, 2, 4, 64, dtype=torch.float64, seed=5)
+    for batch in (b64, b):
+        if batch is b:
+            monkeypatch.setattr(cpu_kernels, "cpu_ops", lambda: None)
+            monkeypatch.setattr("pagedserve.kernels.cpu_ops", lambda: None)
+        got, ref = torch.empty_like(batch.q), torch.empty_like(batch.q)
+        args = (batch.caches[0], batch.cu_seqlens_q, batch.seq_lens, batch.block_table)
+        paged_attention(batch.q, args[0], got, *args[1:], batch.scale)
+        paged_attention_ref(batch.q, args[0], ref, *args[1:], batch.scale)
+        assert torch.equal(got, ref)
+
+
+def test_rejects_metadata_it_cannot_follow(kh) -> None:
+    b = kh.make_batch([3, 1], [3, 9], 8, 2, 2, 64, seed=3)
+
+    def call(**over):
+        args = dict(q=b.q, kv_cache=b.caches[0], out=torch.empty_like(b.q),
+                    cu_seqlens_q=b.cu_seqlens_q, seq_lens=b.seq_lens,
+                    block_table=b.block_table, softmax_scale=b.scale)
+        args.update(over)
+        return paged_attention(**args)
+
+    with pytest.raises(KernelArgumentError, match="sequence 0"):
+        call(seq_lens=torch.tensor([2, 9], dtype=torch.int32))  # 3 new tokens, length 2
+    with pytest.raises(KernelArgumentError, match="sequence 1"):
+        call(seq_lens=torch.tensor([3, 9 + 8 * b.block_table.shape[1]], dtype=torch.int32))
+    table = b.block_table.clone()
+    table[1, 0] = b.caches[0].shape[0]  # one past the pool
+    with pytest.raises(KernelArgumentError, match="sequence 1"):
+        call(block_table=table)
