@@ -8,8 +8,7 @@ The library is built on first use with the machine's C++ compiler
 ``XDG_CACHE_HOME``, which deployments and tests point at per-model caches: each would rebuild),
 the key covering the source, the flags, torch's version and the CPU's instruction sets (it is
 built with ``-march=native``), so a home shared by machines of different CPUs never loads a
-foreign build. Processes building at once wait on
-torch's lock in that folder. Where no compiler works, :func:`cpu_ops` returns None once, with a
+foreign build. Where no compiler works, :func:`cpu_ops` returns None once, with a
 warning, and the dispatcher keeps the torch reference.
 """
 
@@ -20,6 +19,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "vec_exp.h"))
+_LIB = "pagedserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 
 
@@ -53,26 +55,45 @@ def _build_dir() -> Path:
     return Path(root) / f"pagedserve-cpu-{key.hexdigest()[:16]}"
 
 
+def _build(target: Path) -> None:
+    """Compile into a private folder, then rename it to ``target`` in one step: processes that
+    build at once (the ranks of a group) each finish or lose the race harmlessly, and one killed
+    mid-build leaves no lock behind for the others to wait on (torch's own build folder lock
+    would)."""
+    import ninja  # the build tool, as a Python package so that pip installs it
+    from torch.utils.cpp_extension import load
+
+    # torch looks for ninja on PATH; a venv's bin is not on it unless activated.
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.build-", dir=target.parent))
+    try:
+        load(name=_LIB, sources=[str(s) for s in _SOURCES if s.suffix == ".cpp"],
+             extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"], build_directory=str(tmp),
+             is_python_module=False, verbose=False)
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / f"{_LIB}.so").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the loaded library stays mapped
+
+
 @functools.cache
 def cpu_ops() -> Any:
     """``torch.ops.pagedserve_cpu`` once the library is built and loaded, else None."""
     try:
-        import ninja  # the build tool, as a Python package so that pip installs it
-
-        build = _build_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        # torch looks for ninja on PATH; a venv's bin is not on it unless activated.
-        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        from torch.utils.cpp_extension import load
-
-        load(name="pagedserve_cpu", sources=[str(s) for s in _SOURCES if s.suffix == ".cpp"],
-             extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"],
-             build_directory=str(build), is_python_module=False, verbose=False)
+        target = _build_dir()
+        if not hasattr(torch.ops.pagedserve_cpu, "paged_attention"):
+            if (target / f"{_LIB}.so").exists():
+                torch.ops.load_library(str(target / f"{_LIB}.so"))
+            else:
+                _build(target)
         return torch.ops.pagedserve_cpu
     except Exception as exc:  # no compiler, no headers, a failed build: keep the torch path
-        log.warning("pagedserve: the compiled CPU attention kernel is unavailable (%s: %s); "
-                    "using the torch reference", type(exc).__name__, exc)
+        log.warning("pagedserve: the compiled CPU kernels are unavailable (%s: %s); using the "
+                    "torch references", type(exc).__name__, exc)
         return None
 
 
