@@ -34,6 +34,7 @@ from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
 from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
 from pagedserve.kernels.reference import (
     AttentionPlan,
+    compute_dtype,
     copy_blocks_ref,
     merge_attn_states_ref,
     paged_attention_ref,
@@ -115,11 +116,10 @@ def paged_attention(
         key = (sliding_window, cp, tuple(kv_cache.shape[2:]), q.shape[1], q.dtype)
         plan = plans.get(key)
         if plan is None:
-            cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
             plan = plans[key] = plan_paged_attention(
                 cu_seqlens_q, seq_lens, block_table, block_size=kv_cache.shape[2],
                 num_kv_heads=kv_cache.shape[3], num_q_heads=q.shape[1], head_dim=q.shape[2],
-                sliding_window=sliding_window, cp=cp, dtype=cdtype)
+                sliding_window=sliding_window, cp=cp, dtype=compute_dtype(q.dtype))
     return paged_attention_ref(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                softmax_scale, sliding_window=sliding_window, cp=cp,
                                return_lse=return_lse, plan=plan)

@@ -34,6 +34,11 @@ _SCORE_BUDGET = 1 << 24
 _SMALL_Q = 16
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The references' math dtype: float64 stays float64, everything else runs in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def reshape_and_cache_ref(
     key: torch.Tensor,  # [T, H_kv, D]
     value: torch.Tensor,  # [T, H_kv, D]
@@ -273,7 +278,7 @@ def paged_attention_ref(
     del num_kv_splits
     _, bs, hkv, d, hq, _ = check_paged_attention(
         q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window, cp)
-    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cdtype = compute_dtype(q.dtype)
     if plan is None:
         plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_table, block_size=bs,
                                     num_kv_heads=hkv, num_q_heads=hq, head_dim=d,
@@ -327,7 +332,7 @@ def merge_attn_states_ref(
         (out ``[T, H, D]`` in ``outputs.dtype``, lse ``[T, H]`` float32).
     """
     check_merge(outputs, lses)
-    cdtype = torch.float64 if outputs.dtype == torch.float64 else torch.float32
+    cdtype = compute_dtype(outputs.dtype)
     lse = lses.to(cdtype)
     lse = torch.where(torch.isnan(lse) | (lse == math.inf), torch.full_like(lse, -math.inf), lse)
     m = lse.max(dim=0).values  # [T, H]

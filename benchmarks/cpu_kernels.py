@@ -1,0 +1,138 @@
+"""The compiled CPU kernels against the torch code they replace, side by side in one process.
+
+For each checkpoint shape (the peers benchmark's three: ``demo``, ``llama-22m``, ``smollm2``) and
+each op of a decoder layer that has a compiled kernel: a decode step of 64 sequences (context
+50-400 tokens) and a prefill of 8 sequences of 200 tokens, float32, block size 16. The two
+implementations alternate call by call so that drift hits both; each figure is the median of
+``--reps`` timed calls after a warm-up. Paged attention's torch path is given its plan built
+once (as the engine does per step), so the comparison is the per-layer cost.
+
+    python benchmarks/cpu_kernels.py
+    python benchmarks/cpu_kernels.py --out docs/results/cpu_kernels.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.kernels import (
+    cpu_paged_attention,
+    paged_attention_ref,
+    plan_paged_attention,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+)
+from pagedserve.kernels import layer_ops as ops
+from pagedserve.kernels.cpu import cpu_ops
+
+# name: (hidden, q heads, kv heads, head dim, intermediate)
+SHAPES = {
+    "demo": (256, 4, 2, 64, 512),
+    "llama-22m": (512, 8, 4, 64, 1024),
+    "smollm2": (576, 9, 3, 64, 1536),
+}
+BLOCK = 16
+
+
+def _paged_batch(lens: list[int], q_lens: list[int], hq: int, hkv: int, d: int, g):
+    nb = sum(-(-n // BLOCK) for n in lens) + 1
+    cache = torch.randn(nb, 2, BLOCK, hkv, d, generator=g)
+    perm = torch.randperm(nb, generator=g)
+    table = torch.zeros(len(lens), max(-(-n // BLOCK) for n in lens), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens):
+        k = -(-n // BLOCK)
+        table[s, :k] = perm[used: used + k].to(torch.int32)
+        used += k
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    return q, cache, cu, torch.tensor(lens, dtype=torch.int32), table
+
+
+def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """op -> (compiled, torch) zero-argument calls on one layer's inputs."""
+    hidden, hq, hkv, d, inter = SHAPES[name]
+    g = torch.Generator().manual_seed(0)
+    if step == "decode":
+        lens = torch.randint(50, 401, (64,), generator=g).tolist()
+        q_lens = [1] * 64
+    else:
+        lens, q_lens = [200] * 8, [200] * 8
+    t = sum(q_lens)
+    q, cache, cu, seq_lens, table = _paged_batch(lens, q_lens, hq, hkv, d, g)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(d)
+    plan = plan_paged_attention(cu, seq_lens, table, block_size=BLOCK, num_kv_heads=hkv,
+                                num_q_heads=hq, head_dim=d)
+    x = torch.randn(t, hidden, generator=g)
+    w = torch.randn(hidden, generator=g)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    qv = qkv[:, : hq * d].view(t, hq, d)
+    kv = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    vv = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    pos = torch.cat([torch.arange(n - k, n) for n, k in zip(lens, q_lens, strict=True)])
+    ang = torch.randn(2048, d // 2, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    gate_up = torch.randn(t, 2 * inter, generator=g)
+    slots = torch.randperm(cache.shape[0] * BLOCK, generator=g)[:t]
+    return {
+        "paged attention": (
+            lambda: cpu_paged_attention(q, cache, out, cu, seq_lens, table, scale, None, False),
+            lambda: paged_attention_ref(q, cache, out, cu, seq_lens, table, scale, plan=plan)),
+        "RMSNorm": (lambda: ops.rms_norm(x, w, 1e-5), lambda: ops.rms_norm_ref(x, w, 1e-5)),
+        "rotary (q and k)": (lambda: ops.rotary(qv, kv, pos, cos, sin),
+                             lambda: ops.rotary_ref(qv, kv, pos, cos, sin)),
+        "SiLU and mul": (lambda: ops.silu_and_mul(gate_up),
+                         lambda: ops.silu_and_mul_ref(gate_up)),
+        "cache write": (lambda: reshape_and_cache(kv, vv, cache, slots),
+                        lambda: reshape_and_cache_ref(kv, vv, cache, slots)),
+    }
+
+
+def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
+    for _ in range(3):
+        a(), b()
+    ta, tb = [], []
+    for _ in range(reps):
+        for f, acc in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            f()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--models", default=",".join(SHAPES))
+    ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    args = ap.parse_args()
+    if cpu_ops() is None:
+        raise SystemExit("the compiled CPU kernels did not build (see the warning above)")
+    lines = [f"float32, {torch.get_num_threads()} torch threads, block size {BLOCK}, median of "
+             f"{args.reps} calls each, alternating", "",
+             "| shape | step | op | compiled (us) | torch (us) | torch / compiled |",
+             "|---|---|---|---|---|---|"]
+    for name in args.models.split(","):
+        for step in ("decode", "prefill"):
+            for op, (a, b) in cases(name, step).items():
+                ta, tb = time_pair(a, b, args.reps)
+                lines.append(f"| {name} | {step} | {op} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | "
+                             f"{tb / ta:.2f}x |")
+                print(lines[-1], flush=True)
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
