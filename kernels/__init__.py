@@ -33,6 +33,7 @@ from pagedserve.kernels.cpu import cpu_ops, cpu_paged_attention
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
 from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
 from pagedserve.kernels.reference import (
+    SMALL_Q,
     AttentionPlan,
     compute_dtype,
     copy_blocks_ref,
@@ -101,16 +102,33 @@ def paged_attention(
                                       softmax_scale, sliding_window=sliding_window, cp=cp,
                                       return_lse=return_lse, num_kv_splits=num_kv_splits)
     if _use_cpu_kernel(q, kv_cache, out, cp):
+        # Long query runs (prefill chunks) go through the torch path's batched GEMMs, which beat
+        # the kernel's per-row loops there; the plan of those sequences is built once per step.
+        split = None
+        if plans is not None and not return_lse:
+            key = ("long", sliding_window, tuple(kv_cache.shape[2:]), q.shape[1])
+            split = plans.get(key)
+            if split is None:
+                split = plans[key] = plan_paged_attention(
+                    cu_seqlens_q, seq_lens, block_table, block_size=kv_cache.shape[2],
+                    num_kv_heads=kv_cache.shape[3], num_q_heads=q.shape[1],
+                    head_dim=q.shape[2], sliding_window=sliding_window, long_only=True)
+        long_rows = split is not None and len(split.launches) > 0
         # The kernel checks its arguments itself (a Python check per layer costs more than a
         # decode step's attention on a small model); the typed error comes from the same check
         # the other paths run, once something is wrong.
         try:
-            return cpu_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
-                                       softmax_scale, sliding_window, return_lse)
+            lse = cpu_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
+                                      softmax_scale, sliding_window, return_lse,
+                                      SMALL_Q if long_rows else -1)
         except RuntimeError:
             check_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                   softmax_scale, sliding_window, cp)
             raise
+        if long_rows:
+            paged_attention_ref(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
+                                softmax_scale, sliding_window=sliding_window, plan=split)
+        return lse
     plan = None
     if plans is not None:
         key = (sliding_window, cp, tuple(kv_cache.shape[2:]), q.shape[1], q.dtype)

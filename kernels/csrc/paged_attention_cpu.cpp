@@ -188,13 +188,15 @@ void attend(const Args& a, const Item& it, std::vector<float>& acc, std::vector<
   }
 }
 
+// Sequences with more than max_q_len new tokens (>= 0) are left alone: the caller attends
+// them otherwise (long prefills run faster through a GEMM-based path). -1: all of them.
 // Returns -1, or the first sequence whose metadata the kernel cannot follow (more new tokens
 // than its length, a length past its block-table row, a block id outside the pool): the caller
 // raises its typed error, and nothing was read or written.
 int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Tensor& out,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                      const at::Tensor& block_table, double scale, int64_t window,
-                     at::Tensor& lse) {
+                     at::Tensor& lse, int64_t max_q_len) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
                   out.scalar_type() == at::kFloat,
               "paged_attention (CPU kernel): q, kv_cache and out must be float32");
@@ -232,7 +234,7 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = a.cu[s + 1] - a.cu[s];
-    if (q_len == 0) continue;
+    if (q_len == 0 || (max_q_len >= 0 && q_len > max_q_len)) continue;
     if (a.cu[s] < 0 || a.cu[s + 1] > q.size(0)) return s;
     const int64_t len = a.lens[s];
     if (q_len < 0 || q_len > len || len > a.max_blocks * a.block) return s;
@@ -274,6 +276,7 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
 TORCH_LIBRARY(pagedserve_cpu, lib) {
   lib.def(
       "paged_attention(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor cu_seqlens_q, "
-      "Tensor seq_lens, Tensor block_table, float scale, int window, Tensor(b!) lse) -> int");
+      "Tensor seq_lens, Tensor block_table, float scale, int window, Tensor(b!) lse, "
+      "int max_q_len) -> int");
   lib.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
 }

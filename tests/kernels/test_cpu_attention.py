@@ -85,6 +85,24 @@ def test_strided_q_and_out(kh) -> None:
     assert torch.isnan(wide[:, : hq * d]).all()  # nothing written outside out
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_engine_dispatch_leaves_long_queries_to_the_torch_path(kh, window) -> None:
+    """With the step's plan cache (as the engine calls it), sequences with more than SMALL_Q
+    new tokens go through the torch path's plan and the rest through the kernel: one output,
+    equal to dense attention."""
+    b = kh.make_batch(*_mix(16), 16, 2, 4, 64, seed=12)  # only sequence 0 (19 new) is long
+    plans: dict = {}
+    for _ in range(2):  # the second layer reuses the plan
+        out = torch.full_like(b.q, math.nan)
+        assert paged_attention(b.q, b.caches[0], out, b.cu_seqlens_q, b.seq_lens,
+                               b.block_table, b.scale, sliding_window=window,
+                               plans=plans) is None
+        assert kh.rel_err(out, kh.dense_attention(b, window)[0]) <= kh.TOL[torch.float32]
+    (split,) = plans.values()
+    rows = torch.cat([la.out_rows for la in split.launches]).sort().values
+    assert rows.tolist() == list(range(19))
+
+
 def test_dispatcher_on_cpu(kh, monkeypatch) -> None:
     """float32 on CPU takes the compiled kernel; float64, and float32 when the kernel cannot be
     built, take the torch reference (bit for bit)."""
