@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["command_line", "fmt_pct", "md_table", "write_json"]
+__all__ = ["command_line", "emit_table", "fmt_pct", "md_table", "write_json"]
 
 
 def command_line(argv: list[str] | None) -> str:
@@ -45,3 +45,11 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def emit_table(table: str, out: str | None) -> None:
+    """Print a benchmark's markdown table and, with ``out``, append it to that file."""
+    print(table)
+    if out:
+        with open(out, "a") as f:
+            f.write(table + "\n")

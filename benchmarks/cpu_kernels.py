@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedserve.bench.report import emit_table
 from pagedserve.kernels import (
     cpu_paged_attention,
     paged_attention,
@@ -135,10 +136,7 @@ def main() -> None:
                              f"{tb / ta:.2f}x |")
                 print(lines[-1], flush=True)
     table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table(table, args.out)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedserve.bench.report import emit_table
+
 HERE = Path(__file__).resolve().parent
 ENGINES = ("pagedserve", "pagedserve-local", "hf-static", "hf-cb", "vllm", "base", "base-local")
 REFERENCE = "hf-static"
@@ -314,10 +316,7 @@ def main() -> None:
                       f"output tok/s (process {time.perf_counter() - t0:.0f} s)", flush=True)
             rounds.append(got)
     table = report(args, engines, rounds, work)
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table(table, args.out)
     if args.min_identical is not None and REFERENCE in engines:
         ref = rounds[0][REFERENCE]["outputs"]
         worst = min(agreement(rounds[0][e]["outputs"], ref)[0] for e in engines)

@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pagedserve.bench.report import emit_table
+
 HERE = Path(__file__).resolve().parent
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 
@@ -147,10 +149,7 @@ def main() -> None:
              "|---|---|"]
     lines += [f"| {part} | {n / total:.1%} |" for part, n in counts.most_common()]
     table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table + "\n")
+    emit_table(table, args.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pagedserve.kernels.cp_layout import (
     cp_local_seq_len,
     cp_owner_and_offset,
 )
-from pagedserve.kernels.cpu import cpu_ops, cpu_paged_attention
+from pagedserve.kernels.cpu import compiled_for, cpu_ops, cpu_paged_attention
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
 from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
 from pagedserve.kernels.reference import (
@@ -51,12 +51,21 @@ def _use_triton(x: torch.Tensor, head_dim: int | None = None) -> bool:
     return head_dim is None or (16 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0)
 
 
-def _use_cpu_kernel(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
-                    cp: CPLayout) -> bool:
-    """The compiled CPU kernel serves float32 without context parallelism, once it is built."""
-    return (q.device.type == "cpu" and cp.size == 1
-            and q.dtype == kv_cache.dtype == out.dtype == torch.float32
-            and cpu_ops() is not None)
+def _cached_plan(
+    plans: dict[tuple, AttentionPlan], q: torch.Tensor, kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+    sliding_window: int | None, cp: CPLayout, long_only: bool,
+) -> AttentionPlan:
+    """The torch path's plan for this step's metadata, built by the first layer that asks."""
+    key = (sliding_window, cp, tuple(kv_cache.shape[2:]), q.shape[1], q.dtype, long_only)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = plan_paged_attention(
+            cu_seqlens_q, seq_lens, block_table, block_size=kv_cache.shape[2],
+            num_kv_heads=kv_cache.shape[3], num_q_heads=q.shape[1], head_dim=q.shape[2],
+            sliding_window=sliding_window, cp=cp, dtype=compute_dtype(q.dtype),
+            long_only=long_only)
+    return plan
 
 
 def reshape_and_cache(
@@ -68,8 +77,7 @@ def reshape_and_cache(
     """Writes keys and values into their slots; see ``reshape_and_cache_ref``."""
     if _use_triton(kv_cache):
         triton_reshape_and_cache(key, value, kv_cache, slot_mapping)
-    elif (kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype
-          == torch.float32 and cpu_ops() is not None):
+    elif compiled_for(key, value, kv_cache):
         try:  # checked by the kernel; the typed error as above
             cpu_ops().reshape_and_cache(key, value, kv_cache, slot_mapping)
         except RuntimeError:
@@ -101,18 +109,13 @@ def paged_attention(
         return triton_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                       softmax_scale, sliding_window=sliding_window, cp=cp,
                                       return_lse=return_lse, num_kv_splits=num_kv_splits)
-    if _use_cpu_kernel(q, kv_cache, out, cp):
+    if cp.size == 1 and compiled_for(q, kv_cache, out):
         # Long query runs (prefill chunks) go through the torch path's batched GEMMs, which beat
         # the kernel's per-row loops there; the plan of those sequences is built once per step.
         split = None
         if plans is not None and not return_lse:
-            key = ("long", sliding_window, tuple(kv_cache.shape[2:]), q.shape[1])
-            split = plans.get(key)
-            if split is None:
-                split = plans[key] = plan_paged_attention(
-                    cu_seqlens_q, seq_lens, block_table, block_size=kv_cache.shape[2],
-                    num_kv_heads=kv_cache.shape[3], num_q_heads=q.shape[1],
-                    head_dim=q.shape[2], sliding_window=sliding_window, long_only=True)
+            split = _cached_plan(plans, q, kv_cache, cu_seqlens_q, seq_lens, block_table,
+                                 sliding_window, cp, long_only=True)
         long_rows = split is not None and len(split.launches) > 0
         # The kernel checks its arguments itself (a Python check per layer costs more than a
         # decode step's attention on a small model); the typed error comes from the same check
@@ -131,13 +134,8 @@ def paged_attention(
         return lse
     plan = None
     if plans is not None:
-        key = (sliding_window, cp, tuple(kv_cache.shape[2:]), q.shape[1], q.dtype)
-        plan = plans.get(key)
-        if plan is None:
-            plan = plans[key] = plan_paged_attention(
-                cu_seqlens_q, seq_lens, block_table, block_size=kv_cache.shape[2],
-                num_kv_heads=kv_cache.shape[3], num_q_heads=q.shape[1], head_dim=q.shape[2],
-                sliding_window=sliding_window, cp=cp, dtype=compute_dtype(q.dtype))
+        plan = _cached_plan(plans, q, kv_cache, cu_seqlens_q, seq_lens, block_table,
+                            sliding_window, cp, long_only=False)
     return paged_attention_ref(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                softmax_scale, sliding_window=sliding_window, cp=cp,
                                return_lse=return_lse, plan=plan)

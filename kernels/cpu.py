@@ -97,6 +97,12 @@ def cpu_ops() -> Any:
         return None
 
 
+def compiled_for(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernels serve these tensors: all float32 on the CPU, library built."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and cpu_ops() is not None)
+
+
 def cpu_paged_attention(
     q: torch.Tensor,  # [T_q, H_q, D] float32, unit stride in D
     kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D] float32, contiguous

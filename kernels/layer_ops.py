@@ -10,12 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu import cpu_ops
-
-
-def _compiled(*xs: torch.Tensor) -> bool:
-    return (all(x.device.type == "cpu" and x.dtype == torch.float32 for x in xs)
-            and cpu_ops() is not None)
+from pagedserve.kernels.cpu import compiled_for, cpu_ops
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,8 +22,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim of ``x`` [..., H]."""
-    if x.dim() == 2 and x.stride(-1) == 1 and _compiled(x, weight):
-        return cpu_ops().rms_norm(x, weight, float(eps))  # type: ignore[union-attr]
+    if x.dim() == 2 and x.stride(-1) == 1 and compiled_for(x, weight):
+        return cpu_ops().rms_norm(x, weight, float(eps))
     return rms_norm_ref(x, weight, eps)
 
 
@@ -57,8 +52,8 @@ def rotary(
     """Half-rotation RoPE of q [T, H_q, D] and k [T, H_kv, D] at ``positions``; the results are
     contiguous (the inputs may be views of a fused projection)."""
     if (q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.int64
-            and _compiled(q, k, cos, sin)):
-        return cpu_ops().rotary(q, k, positions.contiguous(), cos, sin)  # type: ignore[union-attr]
+            and compiled_for(q, k, cos, sin)):
+        return cpu_ops().rotary(q, k, positions.contiguous(), cos, sin)
     return rotary_ref(q, k, positions, cos, sin)
 
 
@@ -69,6 +64,6 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` over a fused ``[gate | up]`` input [T, 2I] -> [T, I]."""
-    if x.dim() == 2 and x.stride(-1) == 1 and _compiled(x):
-        return cpu_ops().silu_and_mul(x)  # type: ignore[union-attr]
+    if x.dim() == 2 and x.stride(-1) == 1 and compiled_for(x):
+        return cpu_ops().silu_and_mul(x)
     return silu_and_mul_ref(x)

@@ -114,6 +114,14 @@ def dense_attention(b: Batch, window: int | None = None) -> tuple[torch.Tensor, 
     return torch.cat(outs), torch.cat(lses)
 
 
+def mix(block_size: int) -> tuple[list[int], list[int]]:
+    """(q_lens, seq_lens): prefill, chunked continuation, multi-token step, decodes (one an exact
+    multiple of the block size)."""
+    q_lens = [19, 13, 3, 1, 1, 1, 1]
+    seq_lens = [19, 13 + 2 * block_size + 3, 40, 4 * block_size, 1, 97, 6]
+    return q_lens, seq_lens
+
+
 def poisoned(like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, math.nan)
 
@@ -122,5 +130,5 @@ def poisoned(like: torch.Tensor) -> torch.Tensor:
 def kh() -> SimpleNamespace:
     return SimpleNamespace(
         TOL=TOL, rel_err=rel_err, make_batch=make_batch, dense_attention=dense_attention,
-        poisoned=poisoned, Batch=Batch, PAD_BLOCK_ID=PAD_BLOCK_ID,
+        poisoned=poisoned, Batch=Batch, PAD_BLOCK_ID=PAD_BLOCK_ID, mix=mix,
     )

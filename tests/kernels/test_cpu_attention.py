@@ -21,12 +21,6 @@ from pagedserve.kernels import (
 from pagedserve.kernels import cpu as cpu_kernels
 
 
-def _mix(block_size: int) -> tuple[list[int], list[int]]:
-    q_lens = [19, 13, 3, 1, 1, 1, 1]
-    seq_lens = [19, 13 + 2 * block_size + 3, 40, 4 * block_size, 1, 97, 6]
-    return q_lens, seq_lens
-
-
 def _cpu(b, window=None, lse=True, q=None):
     q = b.q if q is None else q
     out = torch.full(q.shape, math.nan)
@@ -49,7 +43,7 @@ CASES = [
 
 @pytest.mark.parametrize("block_size,group,h_kv,d,window", CASES)
 def test_matches_dense(kh, block_size, group, h_kv, d, window) -> None:
-    b = kh.make_batch(*_mix(block_size), block_size, h_kv, group, d, seed=block_size + d)
+    b = kh.make_batch(*kh.mix(block_size), block_size, h_kv, group, d, seed=block_size + d)
     want_out, want_lse = kh.dense_attention(b, window)
     out, lse = _cpu(b, window)
     assert kh.rel_err(out, want_out) <= kh.TOL[torch.float32]
@@ -72,7 +66,7 @@ def test_long_prefill_spans_query_tiles(kh, window) -> None:
 def test_strided_q_and_out(kh) -> None:
     """q as the model hands it over: a view into a fused qkv projection (token stride wider
     than H_q * D); out a view too."""
-    b = kh.make_batch(*_mix(16), 16, 2, 2, 64, seed=4)
+    b = kh.make_batch(*kh.mix(16), 16, 2, 2, 64, seed=4)
     t, hq, d = b.q.shape
     fused = torch.randn(t, 3 * hq * d)
     q = fused[:, : hq * d].view(t, hq, d)
@@ -90,7 +84,7 @@ def test_engine_dispatch_leaves_long_queries_to_the_torch_path(kh, window) -> No
     """With the step's plan cache (as the engine calls it), sequences with more than SMALL_Q
     new tokens go through the torch path's plan and the rest through the kernel: one output,
     equal to dense attention."""
-    b = kh.make_batch(*_mix(16), 16, 2, 4, 64, seed=12)  # only sequence 0 (19 new) is long
+    b = kh.make_batch(*kh.mix(16), 16, 2, 4, 64, seed=12)  # only sequence 0 (19 new) is long
     plans: dict = {}
     for _ in range(2):  # the second layer reuses the plan
         out = torch.full_like(b.q, math.nan)
@@ -106,13 +100,13 @@ def test_engine_dispatch_leaves_long_queries_to_the_torch_path(kh, window) -> No
 def test_dispatcher_on_cpu(kh, monkeypatch) -> None:
     """float32 on CPU takes the compiled kernel; float64, and float32 when the kernel cannot be
     built, take the torch reference (bit for bit)."""
-    b = kh.make_batch(*_mix(16), 16, 2, 4, 64, seed=5)
+    b = kh.make_batch(*kh.mix(16), 16, 2, 4, 64, seed=5)
     out = torch.empty_like(b.q)
     lse = paged_attention(b.q, b.caches[0], out, b.cu_seqlens_q, b.seq_lens, b.block_table,
                           b.scale, return_lse=True)
     want = _cpu(b)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    b64 = kh.make_batch(*_mix(16), 16, 2, 4, 64, dtype=torch.float64, seed=5)
+    b64 = kh.make_batch(*kh.mix(16), 16, 2, 4, 64, dtype=torch.float64, seed=5)
     for batch in (b64, b):
         if batch is b:
             monkeypatch.setattr(cpu_kernels, "cpu_ops", lambda: None)

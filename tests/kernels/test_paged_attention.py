@@ -34,13 +34,6 @@ from pagedserve.kernels import (
 )
 
 
-def _mix(block_size: int) -> tuple[list[int], list[int]]:
-    """(q_lens, seq_lens): prefill, chunked continuation, multi-token step, decodes."""
-    q_lens = [19, 13, 3, 1, 1, 1, 1]
-    seq_lens = [19, 13 + 2 * block_size + 3, 40, 4 * block_size, 1, 97, 6]
-    return q_lens, seq_lens
-
-
 def _run(fn, b, cache=None, **kw):
     out = torch.full_like(b.q, math.nan)  # poisoned: an unwritten element fails the check
     lse = fn(b.q, b.caches[0] if cache is None else cache, out, b.cu_seqlens_q, b.seq_lens,
@@ -68,7 +61,7 @@ REF_CASES = [
 
 @pytest.mark.parametrize("block_size,group,h_kv,d,window", REF_CASES)
 def test_reference_matches_dense(kh, block_size, group, h_kv, d, window) -> None:
-    q_lens, seq_lens = _mix(block_size)
+    q_lens, seq_lens = kh.mix(block_size)
     b = kh.make_batch(q_lens, seq_lens, block_size, h_kv, group, d, seed=block_size * group + d)
     want = kh.dense_attention(b, window)
     _assert_close(kh, _run(paged_attention_ref, b, sliding_window=window), want)
@@ -84,7 +77,7 @@ def test_one_plan_serves_every_layer(kh, window) -> None:
     """The engine builds the torch path's plan once per step (the first layer, through the
     ``plans`` cache) and every later layer reuses it with its own q and KV pool: each layer's
     result must still equal float64 dense attention over that layer's own data."""
-    q_lens, seq_lens = _mix(16)
+    q_lens, seq_lens = kh.mix(16)
     # float64: float32 on CPU takes the compiled kernel, which needs no plan.
     layers = [kh.make_batch(q_lens, seq_lens, 16, 2, 4, 64, dtype=torch.float64, seed=s)
               for s in (1, 2)]
@@ -115,7 +108,7 @@ def test_one_plan_serves_every_layer(kh, window) -> None:
     (torch.bfloat16, 128), (torch.float16, 64),
 ])
 def test_reference_other_dtypes_and_head_dims(kh, dtype, d) -> None:
-    q_lens, seq_lens = _mix(8)
+    q_lens, seq_lens = kh.mix(8)
     b = kh.make_batch(q_lens, seq_lens, 8, 2, 2, d, dtype=dtype, seed=d)
     _assert_close(kh, _run(paged_attention_ref, b, sliding_window=9), kh.dense_attention(b, 9),
                   dtype)
@@ -133,7 +126,7 @@ TRITON_CASES = [
 
 @pytest.mark.parametrize("block_size,group,h_kv,d,window,splits", TRITON_CASES)
 def test_triton_matches_reference_and_dense(kh, block_size, group, h_kv, d, window, splits):
-    q_lens, seq_lens = _mix(block_size)
+    q_lens, seq_lens = kh.mix(block_size)
     b = kh.make_batch(q_lens, seq_lens, block_size, h_kv, group, d, seed=block_size + group)
     got = _run(triton_paged_attention, b, sliding_window=window, num_kv_splits=splits)
     _assert_close(kh, got, _run(paged_attention_ref, b, sliding_window=window))
@@ -142,7 +135,7 @@ def test_triton_matches_reference_and_dense(kh, block_size, group, h_kv, d, wind
 
 def test_triton_float16(kh) -> None:
     # bfloat16 is checked on GPU only: the interpreter's tl.dot mishandles bf16 operands.
-    b = kh.make_batch(*_mix(16), 16, 2, 4, 64, dtype=torch.float16, seed=11)
+    b = kh.make_batch(*kh.mix(16), 16, 2, 4, 64, dtype=torch.float16, seed=11)
     _assert_close(kh, _run(triton_paged_attention, b, sliding_window=21),
                   kh.dense_attention(b, 21), torch.float16)
 
