@@ -1,8 +1,10 @@
-"""The compiled CPU kernels against the torch code they replace, side by side in one process.
+"""The CPU kernels against the torch code they replace, side by side in one process.
 
 For each checkpoint shape (the peers benchmark's three: ``demo``, ``llama-22m``, ``smollm2``) and
-each op of a decoder layer that has a compiled kernel: a decode step of 64 sequences (context
-50-400 tokens) and a prefill of 8 sequences of 200 tokens, float32, block size 16. The two
+each op of a decoder layer that has its own CPU path (the compiled kernels, and the linear
+layers' packed oneDNN matmul against ``F.linear``): a decode step of 64 sequences (context
+50-400 tokens), the same for 8 sequences (the end of a batch, when few requests are left) and a
+prefill of 8 sequences of 200 tokens, float32, block size 16. The two
 implementations alternate call by call so that drift hits both; each figure is the median of
 ``--reps`` timed calls after a warm-up. Paged attention's torch path is given its plan built
 once (as the engine does per step), so the comparison is the per-layer cost; "as the engine
@@ -34,13 +36,15 @@ from pagedserve.kernels import (
 )
 from pagedserve.kernels import layer_ops as ops
 from pagedserve.kernels.cpu import cpu_ops
+from pagedserve.kernels.linear import linear, linear_ref, pack_weight
 
-# name: (hidden, q heads, kv heads, head dim, intermediate)
+# name: (hidden, q heads, kv heads, head dim, intermediate, vocab)
 SHAPES = {
-    "demo": (256, 4, 2, 64, 512),
-    "llama-22m": (512, 8, 4, 64, 1024),
-    "smollm2": (576, 9, 3, 64, 1536),
+    "demo": (256, 4, 2, 64, 512, 2048),
+    "llama-22m": (512, 8, 4, 64, 1024, 2048),
+    "smollm2": (576, 9, 3, 64, 1536, 49152),
 }
+STEPS = ("decode", "decode, 8 sequences", "prefill")
 BLOCK = 16
 
 
@@ -61,11 +65,12 @@ def _paged_batch(lens: list[int], q_lens: list[int], hq: int, hkv: int, d: int, 
 
 def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """op -> (compiled, torch) zero-argument calls on one layer's inputs."""
-    hidden, hq, hkv, d, inter = SHAPES[name]
+    hidden, hq, hkv, d, inter, vocab = SHAPES[name]
     g = torch.Generator().manual_seed(0)
-    if step == "decode":
-        lens = torch.randint(50, 401, (64,), generator=g).tolist()
-        q_lens = [1] * 64
+    if step.startswith("decode"):
+        n = 8 if "8" in step else 64
+        lens = torch.randint(50, 401, (n,), generator=g).tolist()
+        q_lens = [1] * n
     else:
         lens, q_lens = [200] * 8, [200] * 8
     t = sum(q_lens)
@@ -86,7 +91,15 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
     gate_up = torch.randn(t, 2 * inter, generator=g)
     slots = torch.randperm(cache.shape[0] * BLOCK, generator=g)[:t]
     plans: dict = {}  # the engine's per-step plan cache, shared by the layers
+    linears = {  # op -> (input rows, weight [out, in]); the lm head sees one row per sequence
+        "linear: qkv": (x, torch.randn((hq + 2 * hkv) * d, hidden, generator=g)),
+        "linear: o": (torch.randn(t, hq * d, generator=g), torch.randn(hidden, hq * d, generator=g)),
+        "linear: gate and up": (x, torch.randn(2 * inter, hidden, generator=g)),
+        "linear: down": (gate_up[:, :inter].contiguous(), torch.randn(hidden, inter, generator=g)),
+        "linear: lm head": (x[: len(lens)].contiguous(), torch.randn(vocab, hidden, generator=g)),
+    }
     return {
+        **{op: _linear_pair(rows, weight) for op, (rows, weight) in linears.items()},
         "paged attention (kernel)": (
             lambda: cpu_paged_attention(q, cache, out, cu, seq_lens, table, scale, None, False),
             lambda: paged_attention_ref(q, cache, out, cu, seq_lens, table, scale, plan=plan)),
@@ -101,6 +114,11 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
         "cache write": (lambda: reshape_and_cache(kv, vv, cache, slots),
                         lambda: reshape_and_cache_ref(kv, vv, cache, slots)),
     }
+
+
+def _linear_pair(rows: torch.Tensor, weight: torch.Tensor):
+    packed = pack_weight(weight)
+    return (lambda: linear(rows, None, packed), lambda: linear_ref(rows, weight, None))
 
 
 def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
@@ -126,10 +144,10 @@ def main() -> None:
         raise SystemExit("the compiled CPU kernels did not build (see the warning above)")
     lines = [f"float32, {torch.get_num_threads()} torch threads, block size {BLOCK}, median of "
              f"{args.reps} calls each, alternating", "",
-             "| shape | step | op | compiled (us) | torch (us) | torch / compiled |",
+             "| shape | step | op | pagedserve (us) | torch (us) | torch / pagedserve |",
              "|---|---|---|---|---|---|"]
     for name in args.models.split(","):
-        for step in ("decode", "prefill"):
+        for step in STEPS:
             for op, (a, b) in cases(name, step).items():
                 ta, tb = time_pair(a, b, args.reps)
                 lines.append(f"| {name} | {step} | {op} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | "

@@ -3,10 +3,10 @@ workload (``benchmarks/peers.py``), each sample filed under the innermost part i
 
 Parts: the linear layers (GEMMs, lm head included), attention split into the compiled CPU
 kernel (float32), or on the torch path the K/V gather through the block table, the attention
-math, the scatter of its output and the plan (indices, masks),
-the cache write, norms, rotary, the activation, the embedding, per-layer Python (module calls,
-views), sampling, input preparation (the model runner), the scheduler, the controller's output
-building and detokenization. Samples outside the engine's step loop (start-up, model loading)
+math, the scatter of its output and the plan (indices, masks), the cache write, norms, rotary,
+the activation, the embedding, per-layer Python (module calls, views), sampling, input
+preparation (the model runner), the scheduler, the controller's output building and
+detokenization. Samples outside the engine's step loop (start-up, model loading)
 are left out. py-spy is ``pip install py-spy``; the profiled process runs ``generate`` once.
 
     python benchmarks/profile_step.py --model llama-22m
@@ -41,6 +41,7 @@ RULES: list[tuple[str, str, str | None]] = [
     ("attention: K/V gather", "", "kernels/reference.py:index_select"),
     ("attention: output scatter", "", "kernels/reference.py:out["),
     ("cache write", "reshape_and_cache", None),
+    ("linear layers (GEMM)", "linear", "kernels/linear.py"),
     ("linear layers (GEMM)", "Linear.forward", "parallel/linear.py"),
     ("linear layers (GEMM)", "ParallelLMHead", "parallel/linear.py"),
     ("embedding", "VocabParallelEmbedding", "parallel/linear.py"),

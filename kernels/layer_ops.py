@@ -1,4 +1,5 @@
-"""A decoder layer's pointwise ops: RMSNorm, rotary embedding, SiLU-and-mul.
+"""A decoder layer's pointwise ops: RMSNorm (alone or after the residual add), rotary
+embedding, SiLU-and-mul.
 
 Each is a torch expression (``*_ref``, any device and dtype; the semantics) and, for float32 on
 CPU once the compiled library is built (``kernels.cpu``), one pass of ``csrc/layers_cpu.cpp``
@@ -25,6 +26,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2 and x.stride(-1) == 1 and compiled_for(x, weight):
         return cpu_ops().rms_norm(x, weight, float(eps))
     return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm_ref(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    # residual, x: [T, H]; the residual stream becomes residual + x (in place), then is normed.
+    residual.add_(x)
+    return rms_norm_ref(residual, weight, eps)
+
+
+def add_rms_norm_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += x`` in place, then ``rms_norm(residual)``: a decoder layer's residual add
+    and the norm after it, in one pass over the rows where the compiled kernel serves."""
+    if (x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1
+            and compiled_for(residual, x, weight)):
+        return cpu_ops().add_rms_norm_(residual, x, weight, float(eps))
+    return add_rms_norm_ref(residual, x, weight, eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.linear import linear, pack_weight
 from pagedserve.parallel import comm
 from pagedserve.parallel.state import ParallelState, divide
 
@@ -40,7 +41,29 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     _copy(param, loaded)
 
 
-class ColumnParallelLinear(nn.Module):
+class _PackableWeight(nn.Module):
+    """A layer whose ``weight`` moves, after loading, into the layout ``kernels.linear`` packs
+    for the CPU; the packed copy then replaces the parameter (one copy in memory)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self, keep_weight: bool = False) -> bool:
+        packed = pack_weight(self.weight)
+        if packed is None:
+            return False
+        self.packed = packed
+        if not keep_weight:
+            self.weight = None
+        return True
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Pack every linear weight of a loaded model where the CPU path exists; returns how many
+    were packed (0 on GPU, in other dtypes, or without oneDNN)."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, _PackableWeight))
+
+
+class ColumnParallelLinear(_PackableWeight):
     """``y = x W^T + b`` with W split by output rows: rank r holds rows ``[r*n/tp, (r+1)*n/tp)``."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, state: ParallelState) -> None:
@@ -60,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out / tp]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -134,7 +157,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_PackableWeight):
     """``y = x W^T + b`` with W split by input columns; partial sums are all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, state: ParallelState) -> None:
@@ -153,7 +176,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]; the bias is added once, after the reduction.
-        y = comm.all_reduce(F.linear(x, self.weight), self.state)
+        y = comm.all_reduce(linear(x, self.weight, self.packed), self.state)
         return y if self.bias is None else y + self.bias
 
 
@@ -186,18 +209,25 @@ class VocabParallelEmbedding(nn.Module):
         return comm.all_reduce(y, self.state)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, _PackableWeight):
     """Output projection split by vocabulary rows; logits are gathered over ranks.
 
-    ``tie_to(embedding)`` shares the embedding's weight (Qwen2 small models, tied checkpoints).
+    ``tie_to(embedding)`` shares the embedding's weight (Qwen2 small models, tied checkpoints);
+    packing a tied head keeps that weight, which the embedding still reads.
     """
+
+    tied = False
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
+
+    def pack(self, keep_weight: bool = False) -> bool:
+        return super().pack(keep_weight or self.tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, dim] -> logits [N, vocab]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, self.packed)
         if self.state.size > 1:
             logits = comm.all_gather(logits, self.state, dim=-1)
         return logits[..., : self.vocab_size]

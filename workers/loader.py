@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.parallel.linear import pack_weights
 from pagedserve.parallel.state import ParallelState
 from pagedserve.workers.errors import ModelLoadError, UnsupportedModelError
 from pagedserve.workers.models.arch import ModelArch, read_arch
@@ -184,4 +185,5 @@ def load_model(
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    pack_weights(model)  # after the check: packed layers no longer list their weight
     return model, arch, torch_dtype

@@ -3,6 +3,8 @@
 // operator launches (casts, views, temporaries) for a few microseconds of arithmetic.
 //
 //   rms_norm(x [T, H], weight [H], eps) -> [T, H]       weight * (x * rsqrt(mean(x^2) + eps))
+//   add_rms_norm_(residual [T, H], x [T, H], weight, eps) -> [T, H]
+//                                                       residual += x, then rms_norm(residual)
 //   rotary(q [T, Hq, D], k [T, Hkv, D], positions [T], cos [P, D/2], sin [P, D/2])
 //       -> (q, k) rotated, contiguous                   half-rotation layout (Llama, Qwen)
 //   silu_and_mul(x [T, 2I]) -> [T, I]                   silu(x[:, :I]) * x[:, I:]
@@ -44,26 +46,58 @@ void check_float_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.stride(-1) == 1, name, " needs unit stride in its last dim");
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   check_float_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && weight.is_contiguous() && weight.numel() == x.size(1) &&
                   weight.scalar_type() == at::kFloat,
               "rms_norm: x [T, H] float32, weight [H] float32");
+}
+
+// One row: orow = w * (xr * rsqrt(mean(xr^2) + eps)).
+inline void norm_row(const float* xr, const float* wp, int64_t h, double eps, float* orow) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < h; ++i) ss += xr[i] * xr[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) orow[i] = wp[i] * (xr[i] * inv);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
   const int64_t t = x.size(0), h = x.size(1), xs = x.stride(0);
   at::Tensor out = at::empty({t, h}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, t, grain_rows(h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) norm_row(xp + r * xs, wp, h, eps, op + r * h);
+  });
+  return out;
+}
+
+// The residual add of a decoder layer fused into the norm that follows it: one pass adds the
+// sublayer's output into the residual stream (in place, as the reference's out-of-place add
+// would give) and normalises the sum while its row is in cache.
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                         double eps) {
+  check_norm_args(residual, weight);
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == residual.size(0) && x.size(1) == residual.size(1),
+              "add_rms_norm_: x and residual must both be [T, H]");
+  const int64_t t = x.size(0), h = x.size(1), rs = residual.stride(0), xs = x.stride(0);
+  at::Tensor out = at::empty({t, h}, x.options());
+  float* rp = residual.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, grain_rows(h), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
+      float* rr = rp + r * rs;
       const float* xr = xp + r * xs;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < h; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
-      float* orow = op + r * h;
 #pragma omp simd
-      for (int64_t i = 0; i < h; ++i) orow[i] = wp[i] * (xr[i] * inv);
+      for (int64_t i = 0; i < h; ++i) rr[i] += xr[i];
+      norm_row(rr, wp, h, eps, op + r * h);
     }
   });
   return out;
@@ -197,10 +231,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  lib.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("rotary(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   lib.def("silu_and_mul(Tensor x) -> Tensor");
   lib.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   lib.impl("rms_norm", c10::DispatchKey::CPU, rms_norm);
+  lib.impl("add_rms_norm_", c10::DispatchKey::CPU, add_rms_norm_);
   lib.impl("rotary", c10::DispatchKey::CPU, rotary);
   lib.impl("silu_and_mul", c10::DispatchKey::CPU, silu_and_mul);
   lib.impl("reshape_and_cache", c10::DispatchKey::CPU, reshape_and_cache);

@@ -35,6 +35,25 @@ def test_rms_norm(t, h) -> None:
     assert torch.equal(ops.rms_norm(x3, w, 1e-6), ops.rms_norm_ref(x3, w, 1e-6))
 
 
+@pytest.mark.parametrize("t,h", [(1, 64), (37, 576), (130, 100)])
+def test_add_rms_norm_updates_the_residual_and_norms_the_sum(t, h) -> None:
+    g = torch.Generator().manual_seed(t + h)
+    residual = torch.randn(t, h, generator=g) * 2
+    wide = torch.randn(t, 2 * h, generator=g)
+    x = wide[:, h:]  # a strided view, as a sublayer's output may be
+    w = torch.randn(h, generator=g)
+    want_sum = residual + x  # the reference's out-of-place add, float32
+    got = ops.add_rms_norm_(residual, x, w, 1e-6)
+    assert torch.equal(residual, want_sum)  # the same float32 add, bit for bit
+    assert got.shape == (t, h) and got.is_contiguous()
+    assert _rel(got, ops.rms_norm_ref(want_sum.double(), w.double(), 1e-6)) <= 1e-6
+    # The torch path (here float64) does the same: the add in place, then the norm.
+    r64, x64 = want_sum.double().clone(), x.double()
+    out64 = ops.add_rms_norm_(r64, x64, w.double(), 1e-6)
+    assert torch.equal(r64, want_sum.double() + x64)
+    assert torch.equal(out64, ops.rms_norm_ref(want_sum.double() + x64, w.double(), 1e-6))
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
 def test_rotary_equals_the_torch_expression(hq, hkv, d) -> None:
     g = torch.Generator().manual_seed(hq * d)

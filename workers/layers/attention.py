@@ -45,7 +45,7 @@ class PagedAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # [NB, 2, B, Hkv, D], bound by kv_pool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> out [T, Hq, D]
+        # q: [T, Hq, D], contiguous; k, v: [T, Hkv, D], may be views -> out [T, Hq, D]
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_index} has no KV cache bound")
         ctx = get_forward_context()

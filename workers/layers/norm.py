@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels.layer_ops import rms_norm
+from pagedserve.kernels.layer_ops import add_rms_norm_, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +14,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim]; normalise in float32, scale in the input dtype.
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., dim]; normalise in float32, scale in the input dtype. With ``residual``
+        # [T, dim]: the residual stream takes x first (``residual += x``, in place) and the
+        # sum is normalised, the add of the reference's ``residual + x`` fused into this pass.
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm_(residual, x, self.weight, self.eps)

@@ -77,8 +77,8 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q.contiguous(), k.contiguous(), v.contiguous())
+        q, k = self.rotary(positions, q, k)  # contiguous results
+        out = self.attn(q, k, v)  # v stays a view: the cache write reads it through its strides
         return self.o_proj(out.view(t, self.num_heads * self.head_dim))
 
 
@@ -111,10 +111,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # Residual adds in the model dtype, in the same order as the reference implementation.
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: the previous layer's MLP output [T, hidden], not yet added to the residual stream
+        # (layer 0: the embedding, which starts the stream). Each residual add happens inside
+        # the norm that follows it, in the model dtype and in the reference's order; returns
+        # (MLP output, residual stream), the last add left to the next norm.
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -135,9 +144,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden]
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)
 
 
 class LlamaForCausalLM(nn.Module):

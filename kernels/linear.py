@@ -1,0 +1,62 @@
+"""The linear layers' matmul, ``y = x W^T (+ b)``, with the weight packed once for the CPU.
+
+``F.linear`` on a CPU float32 weight calls MKL's sgemm, which re-reads the weight in its plain
+row-major layout on every call and parallelises poorly when few rows come in: a decode step of
+7-64 sequences ran 1.3-3.8x slower there than oneDNN's matmul on the same weight reordered once
+into its blocked layout (``benchmarks/cpu_kernels.py`` measures it on the checkpoints' shapes).
+So ``pack_weight`` reorders a weight after loading, when that path exists (CPU, float32, a torch
+built with oneDNN), and ``linear`` runs the packed weight through oneDNN; everywhere else the
+plain weight keeps ``F.linear``. Both sum in float32; they differ in summation order only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear", "linear_ref", "pack_weight"]
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    """Whether this torch has oneDNN's packed linear, checked once on a tiny weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(2, 3)
+        y = torch.ops.mkldnn._linear_pointwise(
+            torch.ones(1, 3), torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none",
+            [], "",
+        )
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(torch.equal(y, torch.full((1, 2), 3.0)))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight ``[out, in]`` in oneDNN's layout, or None where ``linear`` should keep the
+    plain weight (not a CPU float32 tensor, or no oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_linear():
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [..., in] -> [..., out], through ``packed`` when there is one, else ``weight``."""
+    if packed is None:
+        assert weight is not None
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The reference the packed path is tested against (float64 in the tests)."""
+    return F.linear(x, weight, bias)

@@ -1,0 +1,90 @@
+"""The linear layers' packed CPU matmul against float64 torch, and the layers after packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels.linear import linear, linear_ref, pack_weight
+from pagedserve.parallel.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    pack_weights,
+)
+from pagedserve.parallel.state import ParallelState
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+@pytest.fixture(autouse=True)
+def _packs() -> None:
+    if pack_weight(torch.ones(2, 2)) is None:
+        pytest.skip("this torch has no oneDNN linear")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_float64(rows, bias) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(130, 96, generator=g)
+    b = torch.randn(130, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g)
+    packed = pack_weight(w)
+    got = linear(x, None, packed, b)
+    want = linear_ref(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == (rows, 130) and got.dtype == torch.float32
+    assert _rel(got, want) <= 1e-6
+
+
+def test_packed_linear_takes_views_and_more_dims() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 32, generator=g)
+    packed = pack_weight(w)
+    wide = torch.randn(9, 64, generator=g)
+    x = wide[:, ::2]  # strided: every other column
+    assert _rel(linear(x, None, packed), linear_ref(x.double(), w.double(), None)) <= 1e-6
+    x3 = torch.randn(3, 5, 32, generator=g)
+    got = linear(x3, None, packed)
+    assert got.shape == (3, 5, 40)
+    assert _rel(got, linear_ref(x3.double(), w.double(), None)) <= 1e-6
+
+
+def test_only_cpu_float32_is_packed() -> None:
+    assert pack_weight(torch.ones(4, 4, dtype=torch.float64)) is None
+    assert pack_weight(torch.ones(4, 4, dtype=torch.bfloat16)) is None
+    # No packed weight: the plain one serves, as F.linear would.
+    w = torch.randn(6, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(linear(x, w, None), linear_ref(x, w, None))
+
+
+def test_packing_a_model_replaces_weights_and_keeps_outputs() -> None:
+    g = torch.Generator().manual_seed(2)
+    state = ParallelState()
+    col = ColumnParallelLinear(16, 24, True, state)
+    row = RowParallelLinear(24, 16, True, state)
+    emb = VocabParallelEmbedding(50, 16, state)
+    head = ParallelLMHead(50, 16, state)
+    head.tie_to(emb)
+    model = torch.nn.ModuleList([col, row, emb, head])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(5, 16, generator=g)
+    ids = torch.tensor([3, 49, 0])
+
+    def run() -> list[torch.Tensor]:
+        return [row(col(x)), emb(ids), head(x)]
+
+    before = run()
+    assert pack_weights(model) == 3
+    # The linears hold only the packed copy; the tied head keeps the weight its embedding reads.
+    assert col.weight is None and row.weight is None and col.packed is not None
+    assert head.weight is emb.weight and head.packed is not None
+    for got, want in zip(run(), before, strict=True):
+        assert got.shape == want.shape
+        assert _rel(got, want) <= 1e-5
