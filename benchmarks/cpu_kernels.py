@@ -91,9 +91,10 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
     gate_up = torch.randn(t, 2 * inter, generator=g)
     slots = torch.randperm(cache.shape[0] * BLOCK, generator=g)[:t]
     plans: dict = {}  # the engine's per-step plan cache, shared by the layers
+    attn_out = torch.randn(t, hq * d, generator=g)
     linears = {  # op -> (input rows, weight [out, in]); the lm head sees one row per sequence
         "linear: qkv": (x, torch.randn((hq + 2 * hkv) * d, hidden, generator=g)),
-        "linear: o": (torch.randn(t, hq * d, generator=g), torch.randn(hidden, hq * d, generator=g)),
+        "linear: o": (attn_out, torch.randn(hidden, hq * d, generator=g)),
         "linear: gate and up": (x, torch.randn(2 * inter, hidden, generator=g)),
         "linear: down": (gate_up[:, :inter].contiguous(), torch.randn(hidden, inter, generator=g)),
         "linear: lm head": (x[: len(lens)].contiguous(), torch.randn(vocab, hidden, generator=g)),
