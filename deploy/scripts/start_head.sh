@@ -22,6 +22,10 @@ if [[ -n "${IFNAME:-}" ]]; then
     export NCCL_SOCKET_IFNAME="$IFNAME" GLOO_SOCKET_IFNAME="$IFNAME"
 fi
 
+# Ray starts worker processes at nice 15; a pagedserve rank is the node's work, and at nice 15
+# its torch threads lose their cores to every daemon wake-up. Exported before `ray start`.
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
+
 # Exported before `ray start`: the raylet, and every process it starts, authenticates with it.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 if [[ "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" && -z "${RAY_AUTH_TOKEN_PATH:-}" \

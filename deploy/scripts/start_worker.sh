@@ -18,6 +18,8 @@ if [[ -n "${IFNAME:-}" ]]; then
     export NCCL_SOCKET_IFNAME="$IFNAME" GLOO_SOCKET_IFNAME="$IFNAME"
 fi
 
+# Workers at normal priority, as on the head (see start_head.sh).
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 if [[ "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" && -z "${RAY_AUTH_TOKEN_PATH:-}" \
       && ! -s "$HOME/.ray/auth_token" ]]; then

@@ -169,6 +169,8 @@ def test_tp2_matches_tp1_and_transformers(ray_local, ckpt_root, request):
     # Ray starts a 1-CPU actor with one OpenMP thread; each rank takes half the machine instead.
     infos = ray.get([a.node_info.remote() for a in engine.executor._actors])
     assert [i["torch_threads"] for i in infos] == [max(1, usable_cpus() // 2)] * 2
+    # The local instance starts its workers at normal priority (Ray's default is nice 15).
+    assert [i["niceness"] for i in infos] == [0, 0]
 
 
 def test_tp4_with_four_kv_heads(ray_local, ckpt_root, request):
