@@ -1,11 +1,12 @@
 """The CPU kernels against the torch code they replace, side by side in one process.
 
 For each checkpoint shape (the peers benchmark's three: ``demo``, ``llama-22m``, ``smollm2``) and
-each op of a decoder layer that has its own CPU path (the compiled kernels, and the linear
-layers' packed oneDNN matmul against ``F.linear``): a decode step of 64 sequences (context
-50-400 tokens), the same for 8 sequences (the end of a batch, when few requests are left) and a
-prefill of 8 sequences of 200 tokens, float32, block size 16. The two
-implementations alternate call by call so that drift hits both; each figure is the median of
+each op of a decoder layer that has its own CPU path (the compiled kernels; the residual add
+fused into the norm after it, against the add as its own op; the linear layers' packed oneDNN
+matmul against ``F.linear``): a decode step of 64 sequences (context 50-400 tokens), the same
+for 8 sequences (the end of a batch, when few requests are left) and a prefill of 8 sequences
+of 200 tokens, float32, block size 16. The two implementations alternate call by call so that
+drift hits both; each figure is the median of
 ``--reps`` timed calls after a warm-up. Paged attention's torch path is given its plan built
 once (as the engine does per step), so the comparison is the per-layer cost; "as the engine
 calls it" is the dispatcher with the step's plan cache, which leaves sequences with more than 16
@@ -81,6 +82,7 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
                                 num_q_heads=hq, head_dim=d)
     x = torch.randn(t, hidden, generator=g)
     w = torch.randn(hidden, generator=g)
+    residual = torch.randn(t, hidden, generator=g)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
     qv = qkv[:, : hq * d].view(t, hq, d)
     kv = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
@@ -108,6 +110,9 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
             lambda: paged_attention(q, cache, out, cu, seq_lens, table, scale, plans=plans),
             lambda: paged_attention_ref(q, cache, out, cu, seq_lens, table, scale, plan=plan)),
         "RMSNorm": (lambda: ops.rms_norm(x, w, 1e-5), lambda: ops.rms_norm_ref(x, w, 1e-5)),
+        # against what the layer did before: the add as its own op, then the compiled norm
+        "residual add + RMSNorm": (lambda: ops.add_rms_norm_(residual, x, w, 1e-5),
+                                   lambda: ops.rms_norm(residual + x, w, 1e-5)),
         "rotary (q and k)": (lambda: ops.rotary(qv, kv, pos, cos, sin),
                              lambda: ops.rotary_ref(qv, kv, pos, cos, sin)),
         "SiLU and mul": (lambda: ops.silu_and_mul(gate_up),
@@ -118,7 +123,7 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
 
 
 def _linear_pair(rows: torch.Tensor, weight: torch.Tensor):
-    packed = pack_weight(weight)
+    packed = pack_weight(weight)  # packed whatever its size, to show where packing pays
     return (lambda: linear(rows, None, packed), lambda: linear_ref(rows, weight, None))
 
 

@@ -16,7 +16,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "linear_ref", "pack_weight"]
+__all__ = ["PACK_MIN_ELEMENTS", "linear", "linear_ref", "pack_weight"]
+
+# Below about this many weight elements (a 512 x 512 projection) oneDNN's fixed cost per call
+# outweighs what the packed layout saves: the demo model's 256 x 256 and 256 x 512 projections
+# ran 0.67-0.87x at decode batch sizes, while 512 x 512 and up ran 0.98-3.2x
+# (``benchmarks/cpu_kernels.py``). The layers keep their plain weight below it.
+PACK_MIN_ELEMENTS = 1 << 18
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.linear import linear, pack_weight
+from pagedserve.kernels.linear import PACK_MIN_ELEMENTS, linear, pack_weight
 from pagedserve.parallel import comm
 from pagedserve.parallel.state import ParallelState, divide
 
@@ -48,6 +48,8 @@ class _PackableWeight(nn.Module):
     packed: torch.Tensor | None = None
 
     def pack(self, keep_weight: bool = False) -> bool:
+        if self.weight.numel() < PACK_MIN_ELEMENTS:
+            return False
         packed = pack_weight(self.weight)
         if packed is None:
             return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.linear import linear, linear_ref, pack_weight
+from pagedserve.kernels.linear import PACK_MIN_ELEMENTS, linear, linear_ref, pack_weight
 from pagedserve.parallel.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -65,25 +65,28 @@ def test_only_cpu_float32_is_packed() -> None:
 def test_packing_a_model_replaces_weights_and_keeps_outputs() -> None:
     g = torch.Generator().manual_seed(2)
     state = ParallelState()
-    col = ColumnParallelLinear(16, 24, True, state)
-    row = RowParallelLinear(24, 16, True, state)
-    emb = VocabParallelEmbedding(50, 16, state)
-    head = ParallelLMHead(50, 16, state)
+    col = ColumnParallelLinear(256, 1024, True, state)  # PACK_MIN_ELEMENTS: the smallest packed
+    row = RowParallelLinear(1024, 256, True, state)
+    small = ColumnParallelLinear(256, 256, False, state)  # below PACK_MIN_ELEMENTS: kept plain
+    emb = VocabParallelEmbedding(1024, 256, state)
+    head = ParallelLMHead(1024, 256, state)
     head.tie_to(emb)
-    model = torch.nn.ModuleList([col, row, emb, head])
+    model = torch.nn.ModuleList([col, row, small, emb, head])
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
-    x = torch.randn(5, 16, generator=g)
-    ids = torch.tensor([3, 49, 0])
+    x = torch.randn(5, 256, generator=g)
+    ids = torch.tensor([3, 1023, 0])
 
     def run() -> list[torch.Tensor]:
-        return [row(col(x)), emb(ids), head(x)]
+        return [row(col(x)), small(x), emb(ids), head(x)]
 
+    assert small.weight.numel() < PACK_MIN_ELEMENTS <= col.weight.numel()
     before = run()
     assert pack_weights(model) == 3
     # The linears hold only the packed copy; the tied head keeps the weight its embedding reads.
     assert col.weight is None and row.weight is None and col.packed is not None
+    assert small.packed is None and small.weight is not None
     assert head.weight is emb.weight and head.packed is not None
     for got, want in zip(run(), before, strict=True):
         assert got.shape == want.shape
