@@ -291,6 +291,10 @@ class EngineRun:
             self._wake.clear()
             self.check_errors()
             yield
+        # An error delta finishes its request: when it lands after the last check (while the
+        # caller handled the previous update), the loop ends on ``finished`` and the error
+        # must still be raised, not taken for a normal end.
+        self.check_errors()
 
     def check_errors(self) -> None:
         for sub in self.subs:
