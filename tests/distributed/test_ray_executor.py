@@ -180,6 +180,19 @@ def test_tp4_with_four_kv_heads(ray_local, ckpt_root, request):
     assert _generate(engine) == _reference(path)
 
 
+def _wait_dead(actor, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=1.0)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the killed rank is still alive")
+
+
 def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_root, request):
     path = _checkpoint(ckpt_root, "llama", 2)
     expected = _reference(path)
@@ -196,6 +209,7 @@ def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_
 
     # 1. Kill rank 1 mid-generation: every in-flight request fails promptly, naming it.
     ray.kill(executor.worker_actors()[1], no_restart=True)
+    _wait_dead(executor.worker_actors()[1])  # ray.kill returns before the process is gone
     start = time.monotonic()
     failed = engine.step()
     assert time.monotonic() - start < 5.0
