@@ -1,9 +1,9 @@
 """The linear layers' matmul, ``y = x W^T (+ b)``, with the weight packed once for the CPU.
 
 ``F.linear`` on a CPU float32 weight calls MKL's sgemm, which re-reads the weight in its plain
-row-major layout on every call and parallelises poorly when few rows come in: a decode step of
-7-64 sequences ran 1.3-3.8x slower there than oneDNN's matmul on the same weight reordered once
-into its blocked layout (``benchmarks/cpu_kernels.py`` measures it on the checkpoints' shapes).
+row-major layout on every call and parallelises poorly when few rows come in: at a decode step
+of 8 sequences it ran 1.1-3.2x slower than oneDNN's matmul on the same weight reordered once
+into its blocked layout, the LM head most (``benchmarks/cpu_kernels.py``, the checkpoints' shapes).
 So ``pack_weight`` reorders a weight after loading, when that path exists (CPU, float32, a torch
 built with oneDNN), and ``linear`` runs the packed weight through oneDNN; everywhere else the
 plain weight keeps ``F.linear``. Both sum in float32; they differ in summation order only.

@@ -11,8 +11,8 @@ failed step, so the executor watches the ``run`` refs to learn that a rank is go
 - Concurrency groups: the set-up calls and then ``run`` take the default group's one thread, so
   the weights are loaded and every step computes on the same thread: one OpenMP thread pool.
   (``run`` on a thread of its own started a second pool beside the loader's, more OpenMP
-  threads than cores, and a step's forward timed inside the actor ran 25-35% slower than the
-  same forward in-process.) ``ping``, ``stop`` and ``node_info`` answer on the ``control``
+  threads than cores, and the Ray path fell behind the in-process engine; see
+  docs/results/performance.md.) ``ping``, ``stop`` and ``node_info`` answer on the ``control``
   thread while ``run`` is busy.
 - The controller's death: Ray kills actors with their owner (these are never detached), and
   independently the loop checks, whenever no step came for ``liveness_after_s``, that the
