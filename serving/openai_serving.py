@@ -272,29 +272,32 @@ class EngineRun:
     async def updates(
         self, is_disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> AsyncIterator[None]:
-        """Yield each time some request progressed, until all have finished.
+        """Yield once after each batch of progress, until every request has finished and every
+        delta has been yielded for.
 
-        With ``is_disconnected``, poll it while waiting and raise ``ClientGone`` (after aborting)
-        when the client left; streaming responses detect that on their own.
+        The wake flag, not ``finished``, drives the loop: a delta sets it on the event loop's
+        thread, so one that lands before the first read, or while the caller handles the
+        previous update (the final one included), is always followed by one more yield.
+        With ``is_disconnected``, poll it while waiting and raise ``ClientGone`` (after
+        aborting) when the client left; streaming responses detect that on their own.
         """
-        while not self.finished:
+        while True:
+            if self._wake.is_set():
+                self._wake.clear()
+                self.check_errors()
+                yield
+                continue
+            if self.finished:
+                return
             if is_disconnected is None:
                 await self._wake.wait()
-            else:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await is_disconnected():
-                        self.abort()
-                        raise ClientGone() from None
-                    continue
-            self._wake.clear()
-            self.check_errors()
-            yield
-        # An error delta finishes its request: when it lands after the last check (while the
-        # caller handled the previous update), the loop ends on ``finished`` and the error
-        # must still be raised, not taken for a normal end.
-        self.check_errors()
+                continue
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await is_disconnected():
+                    self.abort()
+                    raise ClientGone() from None
 
     def check_errors(self) -> None:
         for sub in self.subs:

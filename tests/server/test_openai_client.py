@@ -205,3 +205,40 @@ def test_echo_prepends_the_prompt(env) -> None:
         if c.choices
     )
     assert streamed == echoed
+
+
+def test_many_short_concurrent_streams_equal_their_non_streamed_twins(env) -> None:
+    """Short streams end in the same engine steps as their neighbours' writes: each must still
+    carry all its text and its finish_reason, as the same request non-streamed does."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    requests = [dict(prompt=f"{PROMPT} {i}", max_tokens=1 + i % 16) for i in range(24)]
+
+    async def one(oai: AsyncOpenAI, req: dict, stream: bool) -> tuple[str, str | None]:
+        kw = dict(model=env.model, temperature=0.0, extra_body={"ignore_eos": True}, **req)
+        if not stream:
+            choice = (await oai.completions.create(**kw)).choices[0]
+            return choice.text, choice.finish_reason
+        text, reason = "", None
+        async for chunk in await oai.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                text += c.text
+                reason = c.finish_reason or reason
+        return text, reason
+
+    async def main() -> tuple[list, list]:
+        async with AsyncOpenAI(base_url=f"{env.url}/v1", api_key="unused", max_retries=0,
+                               timeout=60) as oai:
+            whole = await asyncio.gather(*(one(oai, r, False) for r in requests))
+            streamed = []
+            for _ in range(6):  # 144 streams
+                streamed.append(await asyncio.gather(*(one(oai, r, True) for r in requests)))
+            return whole, streamed
+
+    whole, rounds = asyncio.run(main())
+    assert all(reason == "length" for _, reason in whole)
+    lost = [(i, got, want) for streamed in rounds
+            for i, (got, want) in enumerate(zip(streamed, whole, strict=True)) if got != want]
+    assert not lost, f"{len(lost)} of {24 * len(rounds)} streams differ: {lost[:3]}"
