@@ -30,7 +30,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.controller.client import EngineClient
 from pagedserve.serving.metrics import ServerMetrics
 from pagedserve.serving.openai_handlers import Endpoint
-from pagedserve.serving.openai_prepare import prepare_chat, prepare_completion
+from pagedserve.serving.openai_prepare import prepare_chat, prepare_completion, warm_chat_template
 from pagedserve.serving.openai_protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
@@ -110,6 +110,7 @@ def build_app(
     app.state.metrics = metrics
     app.state.context = ctx
     metrics.interactive_in_flight.set_function(lambda: ctx.interactive.count)
+    warm_chat_template(client)
 
     # ------------------------------------------------------------------------- errors
     @app.exception_handler(APIError)

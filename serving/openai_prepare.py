@@ -4,6 +4,7 @@ and hand back the ``Endpoint`` that answers it."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
@@ -191,6 +192,14 @@ def render_chat(client: EngineClient, chat: list[ChatMessage], add_prompt: bool 
     # The template already holds the special tokens (BOS and so on).
     ids = list(tok.hf.encode(text, add_special_tokens=False))
     return Prompt(text, ids)
+
+
+def warm_chat_template(client: EngineClient) -> None:
+    """Render one conversation now, at start-up: the first render compiles the template
+    (tens of ms for a real model's), which would otherwise land on the first chat request."""
+    if client.tokenizer is not None and getattr(client.tokenizer.hf, "chat_template", None):
+        with contextlib.suppress(APIError):  # a template that rejects it fails per request
+            render_chat(client, [ChatMessage(role="user", content="Hello")])
 
 
 def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:

@@ -45,6 +45,7 @@ from pagedserve.workers.loader import load_model, read_eos_token_ids, read_hf_co
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.models.arch import ModelArch
 from pagedserve.workers.sampler import Sampler
+from pagedserve.workers.warmup import warm_up
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -245,6 +246,7 @@ class Worker:
             cp,
             self.eos_token_ids,
         )
+        warm_up(self.runner, len(layout.groups), layout.block_size * cp.size, self.max_model_len)
 
     # -- steps -----------------------------------------------------------------------------------
 
