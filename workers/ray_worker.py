@@ -37,6 +37,7 @@ import ray
 
 from pagedserve.config import EngineConfig
 from pagedserve.messages import KVCacheLayout, WorkerReport
+from pagedserve.net import parse_tcp_endpoint
 
 __all__ = ["RayWorker", "controller_reachable"]
 
@@ -57,13 +58,6 @@ def _unshadow_sys_path() -> None:
     ``pagedserve`` itself is importable through its installation, so the entry goes."""
     root = _package_root()
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
-
-
-def _endpoint_address(endpoint: str) -> tuple[str, int]:
-    """``tcp://host:port`` or ``tcp://[v6]:port`` -> ``(host, port)``."""
-    rest = endpoint.split("://", 1)[-1]
-    host, _, port = rest.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def _group_ranks_on_node(node_id: str) -> int:
@@ -87,7 +81,7 @@ def controller_reachable(endpoint: str, timeout_s: float = 2.0) -> bool:
     A closed or refused connection means the controller's sockets are gone (the process died);
     the probe connection is closed at once, before any ZMTP greeting, which ZeroMQ drops."""
     try:
-        host, port = _endpoint_address(endpoint)
+        host, port = parse_tcp_endpoint(endpoint)
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except (OSError, ValueError):
