@@ -8,7 +8,7 @@ import pytest
 from helpers.driver import drive
 
 from pagedserve.config import from_flat
-from pagedserve.controller.engine_core import EngineCore, child_seed
+from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -19,6 +19,7 @@ from pagedserve.controller.errors import (
     UnsupportedRequestError,
 )
 from pagedserve.controller.executor import LocalExecutor
+from pagedserve.controller.request import child_seed
 from pagedserve.kv.errors import RequestTooLargeError as KVRequestTooLargeError
 from pagedserve.messages import (
     KVCacheLayout,
