@@ -158,7 +158,7 @@ def run_hf_cb(model: str, work: dict) -> list[list[int]]:
     gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     # Sized for the workload: its defaults (256-token pages, a cache sized from GPU memory) make
-    # every CPU step pad to thousands of slots and run 20-50x slower.
+    # every CPU step pad to thousands of slots and run many times slower.
     page = 32
     blocks = sum(-(-(len(p) + o) // page) for p, o in zip(prompts, max_tokens, strict=True))
     cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks + len(prompts),

@@ -9,11 +9,10 @@ failed step, so the executor watches the ``run`` refs to learn that a rank is go
 - ``max_restarts=0``: a restarted rank would be a fresh process outside the live process group;
   the executor rebuilds the whole group instead.
 - Concurrency groups: the set-up calls and then ``run`` take the default group's one thread, so
-  the weights are loaded and every step computes on the same thread: one OpenMP thread pool.
-  (``run`` on a thread of its own started a second pool beside the loader's, more OpenMP
-  threads than cores, and the Ray path fell behind the in-process engine; see
-  docs/results/performance.md.) ``ping``, ``stop`` and ``node_info`` answer on the ``control``
-  thread while ``run`` is busy.
+  the weights are loaded and every step computes on the same thread, which keeps one OpenMP
+  thread pool per process (each thread that computes gets its own pool; two would put more
+  OpenMP threads than cores on the rank). ``ping``, ``stop`` and ``node_info`` answer on the
+  ``control`` thread while ``run`` is busy.
 - The controller's death: Ray kills actors with their owner (these are never detached), and
   independently the loop checks, whenever no step came for ``liveness_after_s``, that the
   controller's step socket still accepts connections; if it is gone the actor exits.
