@@ -20,8 +20,9 @@ PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value; ``field`` names the offending field."""
+class FieldError(ValueError):
+    """An invalid value of a named field; ``field`` names it (``ConfigError`` for the engine
+    configuration, ``SamplingParamsError`` for a request's sampling parameters)."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -31,6 +32,10 @@ class ConfigError(ValueError):
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         # Crosses process boundaries (Ray) with its own constructor's arguments.
         return (type(self), (self.field, self.message))
+
+
+class ConfigError(FieldError):
+    """An invalid configuration value; ``field`` names the offending field."""
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
