@@ -11,13 +11,21 @@ Only the top-level objects (engine core, worker) receive the tree; low-level cla
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ALLOCATION_POLICIES = ("paged", "reserve")
 PREEMPTION_MODES = ("recompute", "swap")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def cache_root() -> Path:
+    """Where pagedserve keeps files between runs (converted checkpoints, batches):
+    ``$XDG_CACHE_HOME/pagedserve``, ``~/.cache/pagedserve`` without the variable."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
 
 
 class FieldError(ValueError):

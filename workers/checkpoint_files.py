@@ -1,19 +1,13 @@
 """The files of a Hugging Face checkpoint directory as this package writes them (the demo
-checkpoint, GGUF conversions), and the user cache they are written into."""
+checkpoint, GGUF conversions)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_root", "save_weights", "write_json"]
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/pagedserve`` (default ``~/.cache/pagedserve``)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
+__all__ = ["save_weights", "write_json"]
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from pagedserve.workers.checkpoint_files import cache_root, save_weights, write_json
+from pagedserve.config import cache_root
+from pagedserve.workers.checkpoint_files import save_weights, write_json
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.workers.checkpoint_files import cache_root, save_weights, write_json
+from pagedserve.config import cache_root
+from pagedserve.workers.checkpoint_files import save_weights, write_json
 from pagedserve.workers.errors import GGUFError, UnsupportedGGUFError
 
 __all__ = [
