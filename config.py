@@ -11,7 +11,9 @@ Only the top-level objects (engine core, worker) receive the tree; low-level cla
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ALLOCATION_POLICIES = ("paged", "reserve")
@@ -20,8 +22,15 @@ PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value; ``field`` names the offending field."""
+def cache_root() -> Path:
+    """Where pagedserve keeps files between runs (converted checkpoints, batches):
+    ``$XDG_CACHE_HOME/pagedserve``, ``~/.cache/pagedserve`` without the variable."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
+
+
+class FieldError(ValueError):
+    """An invalid value of a named field; ``field`` names it (``ConfigError`` for the engine
+    configuration, ``SamplingParamsError`` for a request's sampling parameters)."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -31,6 +40,10 @@ class ConfigError(ValueError):
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         # Crosses process boundaries (Ray) with its own constructor's arguments.
         return (type(self), (self.field, self.message))
+
+
+class ConfigError(FieldError):
+    """An invalid configuration value; ``field`` names the offending field."""
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:

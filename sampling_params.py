@@ -9,20 +9,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.config import FieldError
+
 __all__ = ["SamplingParams", "SamplingParamsError"]
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(FieldError):
     """An invalid sampling parameter; ``field`` names it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        # Crosses process boundaries (Ray) with its own constructor's arguments.
-        return (type(self), (self.field, self.message))
 
 
 def _is_int(v: Any) -> bool:

@@ -15,7 +15,6 @@ the sharing savings of its Fig. 15 and the block-fill heatmap.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import numpy as np
 
 from pagedserve.bench.contiguous import ContiguousReserveManager
 from pagedserve.bench.workloads import WORKLOADS, arrival_times, next_pow2, sample_lengths
-from pagedserve.controller.request import Request
+from pagedserve.controller.request import Request, request_group, sequence_ids
 from pagedserve.controller.scheduler import Scheduler
 from pagedserve.kv import BlockHasher, KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, SamplingParams
@@ -169,25 +168,14 @@ def simulate(cfg: SimConfig, progress: Callable[[int], None] | None = None) -> S
 
     def make_request(i: int) -> Request:
         ids = system + vocab_rng.integers(10, 30000, size=int(prompts[i])).tolist()
-        params = SamplingParams(max_tokens=int(outputs[i]), ignore_eos=True)
-        rid = f"r{i}"
-        if cfg.n == 1:
-            return Request(rid, ids, params, hasher=hasher, arrival_time=float(arrivals[i]))
-        child = dataclasses.replace(params, n=1)
-        children = [
-            Request(f"{rid}#{j}", ids, child, hasher=hasher, group_id=rid, index=j,
-                    arrival_time=float(arrivals[i]))
-            for j in range(cfg.n)
-        ]
-        return Request(rid, ids, child, hasher=hasher, children=children,
-                       arrival_time=float(arrivals[i]))
+        params = SamplingParams(max_tokens=int(outputs[i]), ignore_eos=True, n=cfg.n)
+        arrival = float(arrivals[i])
+        return request_group(f"r{i}", ids, params, hasher=hasher, arrival_time=arrival)[0]
 
     final_len: dict[str, int] = {}  # slots a sequence ever writes: prompt + output - 1
     for i in range(cfg.num_requests):
         f = cfg.system_prompt_len + int(prompts[i]) + int(outputs[i]) - 1
-        final_len[f"r{i}"] = f
-        for j in range(cfg.n if cfg.n > 1 else 0):
-            final_len[f"r{i}#{j}"] = f
+        final_len.update(dict.fromkeys(sequence_ids(f"r{i}", cfg.n), f))
 
     usable_slots = kv.pool.num_usable_blocks * bs
     steady_lo = float(arrivals[min(cfg.num_requests - 1, cfg.num_requests // 10)])

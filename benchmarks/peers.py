@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.report import emit_table
+from pagedserve.config import cache_root
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ("pagedserve", "pagedserve-local", "hf-static", "hf-cb", "vllm", "base", "base-local")
@@ -52,8 +53,7 @@ REFERENCE = "hf-static"
 
 def llama_22m_dir() -> Path:
     """A random Llama with hidden 512 x 8 layers (22M parameters), written once into the cache."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "pagedserve" / "bench-llama-22m"
+    target = cache_root() / "bench-llama-22m"
     if (target / "model.safetensors").exists():
         return target
     import torch
@@ -66,7 +66,7 @@ def llama_22m_dir() -> Path:
                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=64, max_position_embeddings=2048, bos_token_id=1,
                       eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    tmp = Path(tempfile.mkdtemp(prefix=".bench-llama-22m-", dir=cache / "pagedserve"))
+    tmp = Path(tempfile.mkdtemp(prefix=".bench-llama-22m-", dir=target.parent))
     LlamaForCausalLM(cfg).save_pretrained(tmp)
     write_tokenizer(tmp, cfg.max_position_embeddings)
     tmp.rename(target)
@@ -158,7 +158,7 @@ def run_hf_cb(model: str, work: dict) -> list[list[int]]:
     gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     # Sized for the workload: its defaults (256-token pages, a cache sized from GPU memory) make
-    # every CPU step pad to thousands of slots and run 20-50x slower.
+    # every CPU step pad to thousands of slots and run many times slower.
     page = 32
     blocks = sum(-(-(len(p) + o) // page) for p, o in zip(prompts, max_tokens, strict=True))
     cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks + len(prompts),

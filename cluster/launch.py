@@ -45,8 +45,8 @@ def ensure_ray(
         # Ray starts its workers at nice 15 so that its daemons stay responsive on a node
         # busy with tasks. Here the ranks are the node's work: at nice 15 a rank's torch
         # threads lose their core to every wake-up of a daemon, the driver or the controller,
-        # and the others then wait for it at the next parallel region (the forward pass ran
-        # 25-35% slower in the actor than in-process). The daemons keep their fair share.
+        # and the others then wait for it at the next parallel region, so the forward pass is
+        # slower in the actor than in-process. The daemons keep their fair share.
         init_kwargs["_system_config"] = {
             "worker_niceness": 0, **init_kwargs.get("_system_config", {})
         }

@@ -41,6 +41,7 @@ from pagedserve.messages import (
     decode_message,
     encode,
 )
+from pagedserve.net import is_ipv6, tcp_endpoint
 
 __all__ = ["Controller", "ControllerActor", "EngineFactory", "ReplicaServer"]
 
@@ -89,9 +90,9 @@ class ReplicaServer:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self._router.setsockopt(zmq.SNDHWM, 100_000)
-        if ":" in host:
+        if is_ipv6(host):
             self._router.setsockopt(zmq.IPV6, 1)
-        self._router.bind(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0")
+        self._router.bind(tcp_endpoint(host))
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._outbox: Mailbox[tuple[bytes, Any]] = Mailbox(self._ctx, "replica-outbox")
         self._io = threading.Thread(target=self._io_loop, name="pagedserve-ctl-io", daemon=True)

@@ -37,6 +37,7 @@ from pagedserve.messages import (
     decode_message,
     encode,
 )
+from pagedserve.net import is_ipv6, parse_tcp_endpoint
 
 __all__ = ["RemoteEngineClient"]
 
@@ -87,7 +88,7 @@ class RemoteEngineClient(ClientBase):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        if endpoint.startswith("tcp://["):
+        if is_ipv6(parse_tcp_endpoint(endpoint)[0]):
             self._sock.setsockopt(zmq.IPV6, 1)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)

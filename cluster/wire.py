@@ -30,7 +30,6 @@ Every wait is bounded and fails with a typed error. A channel instance belongs t
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 
@@ -56,15 +55,11 @@ from pagedserve.messages import (
     decode,
     encode,
 )
+from pagedserve.net import is_ipv6, ms_left, tcp_endpoint
 
 __all__ = ["StepChannel"]
 
 logger = logging.getLogger(__name__)
-
-
-def _ms_left(deadline: float) -> int:
-    # Rounded up, so a wait never ends before its deadline; 0 once it has passed.
-    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
 def _recv_by(sock: zmq.Socket, deadline: float, auth: FrameAuth) -> list[bytes] | None:
@@ -76,7 +71,7 @@ def _recv_by(sock: zmq.Socket, deadline: float, auth: FrameAuth) -> list[bytes] 
     already queued is still taken.
     """
     while True:
-        sock.setsockopt(zmq.RCVTIMEO, _ms_left(deadline))
+        sock.setsockopt(zmq.RCVTIMEO, ms_left(deadline))
         try:
             frames = sock.recv_multipart()
         except zmq.Again:
@@ -93,10 +88,6 @@ def _open(auth: FrameAuth, frames: list[bytes], routed: bool) -> list[bytes] | N
     except FrameAuthError:
         logger.warning("dropped a frame that failed authentication (%d parts)", len(frames))
         return None
-
-
-def _tcp_endpoint(host: str) -> str:
-    return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
 
 
 class StepChannel:
@@ -134,7 +125,7 @@ class StepChannel:
             self._reply = self._ctx.socket(zmq.PULL)
             for sock in (self._step, self._reply):
                 sock.setsockopt(zmq.LINGER, 0)
-                if ":" in host:
+                if is_ipv6(host):
                     sock.setsockopt(zmq.IPV6, 1)
             # Sending to an unknown or vanished rank must fail loudly, not drop the step.
             self._step.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -142,8 +133,8 @@ class StepChannel:
             # connection takes the route over instead of being refused as a duplicate.
             self._step.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._step.setsockopt(zmq.SNDTIMEO, max(0, int(send_timeout_s * 1000)))
-            self._step.bind(_tcp_endpoint(host))
-            self._reply.bind(_tcp_endpoint(host))
+            self._step.bind(tcp_endpoint(host))
+            self._reply.bind(tcp_endpoint(host))
         except Exception:
             self._ctx.destroy(linger=0)
             raise
@@ -199,7 +190,7 @@ class StepChannel:
                     if r not in self._routes or r not in self._reply_seen
                 ]
                 raise HandshakeTimeoutError(missing, time.monotonic() - start)
-            events = dict(self._poller.poll(_ms_left(deadline)))
+            events = dict(self._poller.poll(ms_left(deadline)))
             if self._step in events:
                 frames = _open(self._auth, self._step.recv_multipart(), routed=True)
                 if frames is not None:

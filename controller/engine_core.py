@@ -26,7 +26,7 @@ from pagedserve.controller.errors import (
 from pagedserve.controller.executor import Executor, WorkerGroupError
 from pagedserve.controller.kv_plan import plan_kv_cache, resolve_max_model_len
 from pagedserve.controller.outputs import failed_delta, take_delta
-from pagedserve.controller.request import Request, RequestStatus
+from pagedserve.controller.request import Request, RequestStatus, request_group, sequence_ids
 from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.controller.scheduler import Scheduler, StepHook
 from pagedserve.controller.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -34,19 +34,10 @@ from pagedserve.kv import BlockHasher
 from pagedserve.kv.errors import RequestTooLargeError as KVRequestTooLargeError
 from pagedserve.messages import AddRequest, RequestDelta, SamplingParams
 
-__all__ = ["EngineCore", "child_seed"]
+__all__ = ["EngineCore"]
 
 logger = logging.getLogger(__name__)
 
-_SEED_STRIDE = 1_000_003  # a prime, so children of nearby seeds do not collide
-
-
-def child_seed(seed: int | None, index: int) -> int | None:
-    """Seed of completion ``index``: completion 0 keeps the user's seed, so ``n=1`` and ``n>1``
-    agree on it; the others get a deterministic, distinct derivation."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index * _SEED_STRIDE) % 2**63
 
 
 @dataclasses.dataclass(slots=True)
@@ -158,34 +149,21 @@ class EngineCore:
         request the KV cache could never hold."""
         rid, params = req.request_id, req.params
         ids = list(req.prompt_token_ids)
-        n = params.n
-        internal_ids = [rid] + ([f"{rid}#{i}" for i in range(n)] if n > 1 else [])
-        if rid in self._groups or any(i in self.scheduler.requests for i in internal_ids):
+        if rid in self._groups or any(
+            i in self.scheduler.requests for i in sequence_ids(rid, params.n)
+        ):
             raise DuplicateRequestError(f"request id {rid!r} is already in use")
         self._validate(ids, params)
-
-        def seq(seq_id: str, index: int, p: SamplingParams, children: list[Request]) -> Request:
-            detok = None
-            if self.tokenizer is not None and not children:
-                detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens)
-            return Request(
-                seq_id, ids, p, hasher=self.hasher, cache_salt=req.cache_salt,
-                arrival_time=arrival_time, detokenizer=detok, group_id=rid, index=index,
-                children=children,
-            )
-
-        if n == 1:
-            head = seq(rid, 0, params, [])
-            group = _Group(rid, [head], None)
-        else:
-            children = [
-                seq(cid, i, dataclasses.replace(params, n=1, seed=child_seed(params.seed, i)), [])
-                for i, cid in enumerate(internal_ids[1:])
-            ]
-            head = seq(rid, 0, dataclasses.replace(params, n=1), children)
-            group = _Group(rid, children, head)
+        tok = self.tokenizer
+        detokenizer = None if tok is None else (
+            lambda p: IncrementalDetokenizer(tok, ids, p.skip_special_tokens)
+        )
+        head, seqs = request_group(
+            rid, ids, params, detokenizer,
+            hasher=self.hasher, cache_salt=req.cache_salt, arrival_time=arrival_time,
+        )
         self.scheduler.add_request(head)
-        self._groups[rid] = group
+        self._groups[rid] = _Group(rid, seqs, head if params.n > 1 else None)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

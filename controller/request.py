@@ -7,15 +7,19 @@ its KV blocks (see ``scheduler.py``); each child is an ordinary ``Request`` from
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from pagedserve.controller.tokenizer import IncrementalDetokenizer
 from pagedserve.kv.hashing import BlockHasher
 from pagedserve.messages import SamplingParams
 
-__all__ = ["Request", "RequestStatus"]
+__all__ = ["Request", "RequestStatus", "child_seed", "request_group", "sequence_ids"]
+
+_SEED_STRIDE = 1_000_003  # a prime, so children of nearby seeds do not collide
 
 
 class RequestStatus(enum.IntEnum):
@@ -242,3 +246,49 @@ class Request:
         if self.detokenizer is not None and status != RequestStatus.FINISHED_ABORTED:
             self.detokenizer.flush()
         self.status = status
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Seed of completion ``index``: completion 0 keeps the user's seed, so ``n=1`` and ``n>1``
+    agree on it; the others get a deterministic, distinct derivation."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * _SEED_STRIDE) % 2**63
+
+
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """Every scheduler id of a user request: itself, and its sequences ``id#i`` when ``n > 1``."""
+    return [request_id] + ([f"{request_id}#{i}" for i in range(n)] if n > 1 else [])
+
+
+def request_group(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    detokenizer: Callable[[SamplingParams], IncrementalDetokenizer | None] | None = None,
+    **request_args: Any,
+) -> tuple[Request, list[Request]]:
+    """``(head, sequences)``: what the scheduler queues for one user request and the sequences
+    that produce its completions.
+
+    With ``n == 1`` the head is the only sequence. With ``n > 1`` the head is a fork parent that
+    computes the shared prompt once and never samples; its children ``id#i`` each produce
+    completion ``i`` with its own seed (``child_seed``). ``detokenizer`` makes a sampling
+    sequence's detokenizer; ``request_args`` (hasher, cache salt, arrival time) go to every
+    ``Request``.
+    """
+    ids = list(prompt_token_ids)
+
+    def make(seq_id: str, index: int, p: SamplingParams, children: list[Request]) -> Request:
+        detok = detokenizer(p) if detokenizer is not None and not children else None
+        return Request(seq_id, ids, p, detokenizer=detok, group_id=request_id, index=index,
+                       children=children, **request_args)
+
+    if params.n == 1:
+        head = make(request_id, 0, params, [])
+        return head, [head]
+    seqs = [
+        make(sid, i, dataclasses.replace(params, n=1, seed=child_seed(params.seed, i)), [])
+        for i, sid in enumerate(sequence_ids(request_id, params.n)[1:])
+    ]
+    return make(request_id, 0, dataclasses.replace(params, n=1), seqs), seqs

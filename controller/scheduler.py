@@ -23,6 +23,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.controller.request import Request, RequestStatus
 from pagedserve.controller.step_output import build_output
@@ -54,6 +55,19 @@ class SchedulerStats:
     batched_tokens_counts: tuple[int, ...] = ()
     """Steps that scheduled tokens, per ``BATCHED_TOKENS_BUCKETS`` bucket (+ the overflow)."""
     batched_tokens_sum: int = 0
+
+
+def _fit_chunk(
+    allocate: Callable[..., KVCacheBlocks | None], req: Request, n: int, shrink: bool, *args: Any
+) -> tuple[int, KVCacheBlocks | None]:
+    """``allocate(req, n, *args)``; with ``shrink``, halve a chunk that does not fit until it
+    does or is one token (a smaller prefill chunk needs fewer blocks: a sliding window holds the
+    window plus the chunk). Returns the chunk and its blocks, None if none fits."""
+    blocks = allocate(req, n, *args)
+    while blocks is None and shrink and n > 1:
+        n = max(1, n // 2)
+        blocks = allocate(req, n, *args)
+    return n, blocks
 
 
 class Scheduler:
@@ -170,20 +184,17 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            blocks = self.kv.allocate_slots(req, n)
-            while blocks is None:
-                if self.running[-1] is req and self.enable_chunked_prefill and n > 1:
-                    # Nobody left to preempt but itself: a smaller prefill chunk needs fewer
-                    # blocks (a sliding window holds the window plus the chunk).
-                    n = max(1, n // 2)
-                    blocks = self.kv.allocate_slots(req, n)
-                    continue
+            while True:
+                # With nobody left to preempt but itself, it tries a smaller chunk first.
+                alone = self.running[-1] is req and self.enable_chunked_prefill
+                n, blocks = _fit_chunk(self.kv.allocate_slots, req, n, alone)
+                if blocks is not None:
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-                blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 break
             scheduled.append(req)
@@ -243,13 +254,10 @@ class Scheduler:
             n = req.compute_limit - hit
             if not self.enable_chunked_prefill and n > budget:
                 break
-            n = min(n, budget)
-            blocks = self.kv.allocate_slots(req, n, hit, hit_blocks if hit else None)
-            while blocks is None and not self.running and self.enable_chunked_prefill and n > 1:
-                # Alone in the cache, a request whose steady state fits must run: cut the
-                # prefill chunk until its allocation fits too.
-                n = max(1, n // 2)
-                blocks = self.kv.allocate_slots(req, n, hit, hit_blocks if hit else None)
+            # Alone in the cache, a request whose steady state fits must run: its chunk shrinks.
+            shrink = not self.running and self.enable_chunked_prefill
+            cached = (hit, hit_blocks if hit else None)
+            n, blocks = _fit_chunk(self.kv.allocate_slots, req, min(n, budget), shrink, *cached)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -272,11 +280,8 @@ class Scheduler:
         n = req.compute_limit - req.num_computed_tokens
         if not self.enable_chunked_prefill and n > budget:
             return False
-        n = min(n, budget)
-        blocks = self.kv.swap_in(req, n)
-        while blocks is None and not self.running and self.enable_chunked_prefill and n > 1:
-            n = max(1, n // 2)
-            blocks = self.kv.swap_in(req, n)
+        shrink = not self.running and self.enable_chunked_prefill
+        n, blocks = _fit_chunk(self.kv.swap_in, req, min(n, budget), shrink)
         if blocks is None:
             return False
         self.waiting.popleft()

@@ -28,7 +28,7 @@ class Tokenizer:
         if getattr(hf_tokenizer, "eos_token_id", None) is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        # The Rust decoder directly is ~5x cheaper than the transformers wrapper, which matters
+        # The Rust decoder directly is much cheaper than the transformers wrapper, which matters
         # at two decodes per sequence per step. The wrapper only adds the optional clean-up of
         # spaces before punctuation, so use it only for tokenizers that ask for that.
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)

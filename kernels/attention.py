@@ -220,8 +220,8 @@ def paged_attention(
     group_pad = triton.next_power_of_2(group)
     tile_n, num_warps = _tile_config(d, q.dtype)
     # Rows per program: 16 (the tl.dot minimum) suits decode, where KV traffic dominates; for
-    # prefill-heavy batches 64 rows cut KV re-reads 4x (sm_90: 178-202 registers for 16-bit D<=128
-    # with 8 warps). float32 on GPU stays at 16 rows: 64 spills there.
+    # prefill-heavy batches 64 rows cut KV re-reads 4x (with 8 warps, 16-bit D<=128 fits sm_90's
+    # register file). float32 on GPU stays at 16 rows: 64 spills there.
     block_m = 16
     prefill_heavy = t_q >= 4 * num_seqs and d <= 128
     if prefill_heavy and not (q.is_cuda and q.dtype == torch.float32):

@@ -1,12 +1,13 @@
 """The linear layers' matmul, ``y = x W^T (+ b)``, with the weight packed once for the CPU.
 
 ``F.linear`` on a CPU float32 weight calls MKL's sgemm, which re-reads the weight in its plain
-row-major layout on every call and parallelises poorly when few rows come in: at a decode step
-of 8 sequences it ran 1.1-3.2x slower than oneDNN's matmul on the same weight reordered once
-into its blocked layout, the LM head most (``benchmarks/cpu_kernels.py``, the checkpoints' shapes).
-So ``pack_weight`` reorders a weight after loading, when that path exists (CPU, float32, a torch
-built with oneDNN), and ``linear`` runs the packed weight through oneDNN; everywhere else the
-plain weight keeps ``F.linear``. Both sum in float32; they differ in summation order only.
+row-major layout on every call and parallelises poorly when few rows come in (a decode step),
+while oneDNN's matmul reads a weight reordered once into its blocked layout; the LM head, the
+widest weight, gains most (``benchmarks/cpu_kernels.py`` measures both on the checkpoints'
+shapes). So ``pack_weight`` reorders a weight after loading, when that path exists (CPU,
+float32, a torch built with oneDNN), and ``linear`` runs the packed weight through oneDNN;
+everywhere else the plain weight keeps ``F.linear``. Both sum in float32; they differ in
+summation order only.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 __all__ = ["PACK_MIN_ELEMENTS", "linear", "linear_ref", "pack_weight"]
 
 # Below about this many weight elements (a 512 x 512 projection) oneDNN's fixed cost per call
-# outweighs what the packed layout saves: the demo model's 256 x 256 and 256 x 512 projections
-# ran 0.67-0.87x at decode batch sizes, while 512 x 512 and up ran 0.98-3.2x
-# (``benchmarks/cpu_kernels.py``). The layers keep their plain weight below it.
+# outweighs what the packed layout saves (the demo model's small projections are slower packed;
+# ``benchmarks/cpu_kernels.py`` measures where the two cross). The layers keep their plain
+# weight below it.
 PACK_MIN_ELEMENTS = 1 << 18
 
 

@@ -77,7 +77,7 @@ def _attend(
     qh = q.reshape(s, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * nq, d)
     if not need_lse:
         # Every row sees at least its own key here, so the fused kernel never meets an empty row.
-        # An additive float mask keeps SDPA on its fused CPU kernel (a bool mask is ~4x slower).
+        # An additive float mask keeps SDPA on its fused CPU kernel (a bool mask does not).
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=bias, scale=scale)
         lse = None
     else:

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pagedserve.config import cache_root
+
 __all__ = [
     "ACTIVE",
     "TERMINAL",
@@ -45,8 +47,7 @@ COMPLETION_WINDOW_S = 24 * 3600
 
 def default_batch_dir() -> Path:
     """``$XDG_CACHE_HOME/pagedserve/batches`` (``~/.cache`` without the variable)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "pagedserve" / "batches"
+    return cache_root() / "batches"
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-DTYPES = ["auto", "float32", "float16", "bfloat16"]
+from pagedserve.builder import BACKENDS
+from pagedserve.config import ALLOCATION_POLICIES, DTYPES, PREEMPTION_MODES
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
@@ -24,7 +25,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     eng.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     eng.add_argument("--num-gpu-blocks", type=int, default=None)
     eng.add_argument("--no-prefix-caching", action="store_true")
-    eng.add_argument("--allocation-policy", default="paged", choices=["paged", "reserve"],
+    eng.add_argument("--allocation-policy", default="paged", choices=ALLOCATION_POLICIES,
                      help="paged: KV blocks on demand; reserve: max_model_len per request at "
                           "admission (the contiguous pre-allocation baseline)")
     eng.add_argument("--swap-space", type=float, default=0.0, metavar="GIB",
@@ -32,7 +33,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
                           "swap preemption and evicted prefix blocks kept; 0 (default): none")
     eng.add_argument("--num-host-blocks", type=int, default=None,
                      help="fix the host tier's block count instead (null block included)")
-    eng.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+    eng.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                      help="recompute: a preempted request starts over; swap: its blocks move "
                           "to the host tier and back (recompute when the tier is full)")
     eng.add_argument("--no-kv-offload", action="store_true",
@@ -43,7 +44,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     eng.add_argument("--address", default=None,
                      help="Ray cluster to attach to ('auto': the one this node belongs to); "
                           "default: a fresh local Ray instance")
-    eng.add_argument("--backend", default=None, choices=["ray", "local"],
+    eng.add_argument("--backend", default=None, choices=BACKENDS,
                      help="ray (default; or $PAGEDSERVE_BACKEND) or local: the engine in this "
                           "process, one rank, no Ray")
 

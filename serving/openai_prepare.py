@@ -21,7 +21,7 @@ from pagedserve.serving.openai_serving import (
     submit_error,
 )
 
-__all__ = ["prepare_chat", "prepare_completion", "render_chat"]
+__all__ = ["check_model_name", "prepare_chat", "prepare_completion", "render_chat"]
 
 # Request fields passed to SamplingParams unchanged when present.
 _PASSTHROUGH = (
@@ -30,12 +30,17 @@ _PASSTHROUGH = (
 )
 
 
-def _check_model(client: EngineClient, model: str | None) -> None:
+def check_model_name(client: EngineClient, model: str | None) -> None:
+    """404 for a model this server does not serve (None names the one it serves)."""
     if model is not None and model != client.model_name:
         raise APIError(
             404, f"the model `{model}` does not exist; this server serves `{client.model_name}`",
             param="model", code="model_not_found",
         )
+
+
+def _check_model(client: EngineClient, model: str | None) -> None:
+    check_model_name(client, model)
     if not client.is_healthy():
         raise engine_unavailable()
 

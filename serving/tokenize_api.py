@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.serving.openai_prepare import render_chat
+from pagedserve.serving.openai_prepare import check_model_name, render_chat
 from pagedserve.serving.openai_protocol import ERROR_RESPONSES, ChatMessage
 from pagedserve.serving.openai_serving import APIError
 
@@ -45,11 +45,7 @@ class DetokenizeRequest(BaseModel):
 
 
 def _tokenizer(client: EngineClient, model: str | None) -> Tokenizer:
-    if model is not None and model != client.model_name:
-        raise APIError(
-            404, f"the model `{model}` does not exist; this server serves `{client.model_name}`",
-            param="model", code="model_not_found",
-        )
+    check_model_name(client, model)
     if client.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: the server works on token ids only")
     return client.tokenizer

@@ -11,6 +11,8 @@ import queue
 import time
 
 import pytest
+from helpers.fake_executor import FakeExecutor
+from helpers.scripted import next_token
 from helpers.sinks import add
 
 from pagedserve.cluster.ray_controller import ReplicaServer
@@ -35,16 +37,11 @@ from pagedserve.messages import (
     AddResult,
     CompletionDelta,
     EngineStatus,
-    KVCacheLayout,
-    LayerKVSpec,
-    ModelRunnerOutput,
     OutputBatch,
     RequestDelta,
     RequestOutput,
     SamplingParams,
-    SchedulerOutput,
     StatusRequest,
-    WorkerReport,
     decode,
     encode,
 )
@@ -94,55 +91,9 @@ def test_deltas_rebuild_cumulative_outputs() -> None:
     assert out.prompt_token_ids == [1, 2] and out.prompt == "p" and out.finished
 
 
-class TinyExecutor:
+def tiny_executor(**kw) -> FakeExecutor:
     """Emits ``(last * 7 + 1) % VOCAB`` for each request whose scheduled tokens end this step."""
-
-    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.0) -> None:
-        self.rows: dict[str, list[int]] = {}
-        self.seen: set[str] = set()
-        self.fail_at_step = fail_at_step
-        self.step_s = step_s
-
-    def initialize(self) -> WorkerReport:
-        return WorkerReport([LayerKVSpec(2, 8, 2)], 1 << 20, VOCAB, 64, "cpu")
-
-    def init_kv_cache(self, layout: KVCacheLayout) -> None:
-        pass
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if self.fail_at_step is not None and so.step_id >= self.fail_at_step:
-            raise RuntimeError("boom")
-        time.sleep(self.step_s)  # a step takes time, so an abort can land mid-request
-        for rid in so.finished_req_ids:
-            self.rows.pop(rid, None)
-        done: dict[str, int] = {}
-        for nr in so.new_reqs:
-            self.seen.add(nr.req_id)
-            self.rows[nr.req_id] = [*nr.prompt_token_ids, *nr.output_token_ids, 0]
-            self.rows[nr.req_id][-1] = nr.num_computed_tokens
-        c = so.cached_reqs
-        for i, rid in enumerate(c.req_ids):
-            row = self.rows[rid]
-            row[-1:-1] = c.new_token_ids[i]
-            row[-1] = c.num_computed_tokens[i]
-        out = ModelRunnerOutput(so.step_id)
-        for rid, n in so.num_scheduled_tokens.items():
-            row = self.rows[rid]
-            row[-1] += n
-            if row[-1] == len(row) - 1:
-                done[rid] = (row[-2] * 7 + 1) % VOCAB
-        out.req_ids = list(done)
-        out.sampled_token_ids = list(done.values())
-        return out
-
-    def check_failure(self) -> None:
-        return None
-
-    def restart(self) -> WorkerReport:
-        return self.initialize()
-
-    def shutdown(self) -> None:
-        pass
+    return FakeExecutor(vocab_size=VOCAB, max_model_len=64, num_layers=1, rule=next_token, **kw)
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
@@ -156,7 +107,7 @@ def expected(prompt: list[int], n: int) -> list[int]:
 @pytest.fixture
 def served():
     cfg = from_flat(block_size=4, num_gpu_blocks=64, max_model_len=64, max_num_batched_tokens=64)
-    core = EngineCore(cfg, TinyExecutor(step_s=0.01), tokenizer=None, eos_token_ids=())
+    core = EngineCore(cfg, tiny_executor(step_s=0.01), tokenizer=None, eos_token_ids=())
     server = ReplicaServer(EngineLoop(core), "tiny")
     info = {"model_name": "tiny", "max_model_len": 64, "vocab_size": VOCAB, "block_size": 4,
             "auth_key": server.auth.key}
@@ -222,7 +173,8 @@ def test_generate_refuse_abort_over_zmq(served) -> None:
 
 def test_engine_death_reaches_client() -> None:
     cfg = from_flat(block_size=4, num_gpu_blocks=64, max_model_len=64)
-    core = EngineCore(cfg, TinyExecutor(fail_at_step=3), tokenizer=None, eos_token_ids=())
+    broken = tiny_executor(fail=RuntimeError("boom"), fail_at_step=3)
+    core = EngineCore(cfg, broken, tokenizer=None, eos_token_ids=())
     server = ReplicaServer(EngineLoop(core), "tiny")
     client = RemoteEngineClient(server.endpoint, {"model_name": "t", "max_model_len": 64,
                                                   "vocab_size": VOCAB, "block_size": 4,
@@ -269,7 +221,7 @@ def test_a_strangers_well_formed_commands_change_nothing(served) -> None:
         assert len(got["mine"].outputs[0].token_ids) == 40
         stats = client.stats()
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-        seen = server.engine.executor.seen
+        seen = {nr.req_id for so in server.engine.executor.outputs for nr in so.new_reqs}
         assert any(r.endswith(":mine") for r in seen) and not any("evil" in r for r in seen)
     finally:
         ctx.destroy(linger=0)

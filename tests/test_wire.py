@@ -1,4 +1,4 @@
-"""The per-step control channel: controller/wire.py against workers/wire.py, ranks as threads on
+"""The per-step control channel: cluster/wire.py against workers/wire.py, ranks as threads on
 127.0.0.1 (no Ray)."""
 
 from __future__ import annotations

@@ -8,16 +8,16 @@ every time, so the demo model's outputs are reproducible across machines.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from pagedserve.config import cache_root
+from pagedserve.workers.checkpoint_files import save_weights, write_json
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
@@ -70,16 +70,12 @@ def build_tokenizer(vocab_size: int = DEMO_VOCAB_SIZE) -> Tokenizer:
     return tok
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
 def write_tokenizer(path: str | Path, model_max_length: int = 2048) -> Tokenizer:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``path``."""
     path = Path(path)
     tok = build_tokenizer()
     tok.save(str(path / "tokenizer.json"))
-    _write_json(
+    write_json(
         path / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -153,8 +149,8 @@ def write_demo_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = demo_config()
-    _write_json(path / "config.json", cfg)
-    _write_json(
+    write_json(path / "config.json", cfg)
+    write_json(
         path / "generation_config.json",
         {
             "bos_token_id": cfg["bos_token_id"],
@@ -162,17 +158,14 @@ def write_demo_checkpoint(path: str | Path) -> Path:
             "pad_token_id": cfg["pad_token_id"],
         },
     )
-    weights = path / "model.safetensors"
-    save_file(_random_weights(cfg), str(weights), metadata={"format": "pt"})
-    weights.chmod(0o644)  # safetensors creates it owner-only
+    save_weights(_random_weights(cfg), path / "model.safetensors")
     write_tokenizer(path, cfg["max_position_embeddings"])
     return path
 
 
 def demo_checkpoint_dir() -> Path:
     """The demo checkpoint in the user cache, written on first use."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / "pagedserve" / "demo-model"
+    target = cache_root() / "demo-model"
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ one. Needs the ``gguf`` package (and ``accelerate`` for transformers' own GGUF l
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.config import cache_root
+from pagedserve.workers.checkpoint_files import save_weights, write_json
 from pagedserve.workers.errors import GGUFError, UnsupportedGGUFError
 
 __all__ = [
@@ -67,11 +68,6 @@ def _import_gguf() -> Any:
             "reading GGUF checkpoints needs the 'gguf' package: pip install gguf accelerate"
         ) from None
     return gguf
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/pagedserve`` (default ``~/.cache/pagedserve``)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
 
 
 def find_gguf_file(path: str | Path) -> Path:
@@ -143,10 +139,6 @@ def _transformers_gguf_archs() -> set[str]:
     return set(GGUF_SUPPORTED_ARCHITECTURES)
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
 def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
     """Convert a GGUF file (or the one in a folder) into a Hugging Face checkpoint in
     ``out_dir`` (created; should be empty). Returns ``out_dir``."""
@@ -157,7 +149,6 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "float32") 
 
 def _convert(info: GGUFInfo, out: Path, dtype: str) -> Path:
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -178,7 +169,7 @@ def _convert(info: GGUFInfo, out: Path, dtype: str) -> Path:
     cfg.pop("torch_dtype", None)
     cfg.pop("_name_or_path", None)
     cfg.pop("_model_name_or_path", None)
-    _write_json(out / "config.json", cfg)
+    write_json(out / "config.json", cfg)
     read_model_arch(cfg)  # an option our models lack fails here, before the long part
 
     # The model skeleton on the meta device only names the tensors: transformers maps the GGUF
@@ -200,8 +191,7 @@ def _convert(info: GGUFInfo, out: Path, dtype: str) -> Path:
     torch_dtype = getattr(torch, dtype)
     weights = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items() if k in expected}
     del tensors
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
+    save_weights(weights, out / "model.safetensors")
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out)
@@ -255,7 +245,7 @@ def cached_gguf_checkpoint(
           "(once per file)", file=sys.stderr, flush=True)
     try:
         _convert(info, tmp, dtype)
-        _write_json(tmp / STAMP_FILE, stamp)
+        write_json(tmp / STAMP_FILE, stamp)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
         _move_into_place(tmp, target, stamp)
     finally:

@@ -9,11 +9,10 @@ failed step, so the executor watches the ``run`` refs to learn that a rank is go
 - ``max_restarts=0``: a restarted rank would be a fresh process outside the live process group;
   the executor rebuilds the whole group instead.
 - Concurrency groups: the set-up calls and then ``run`` take the default group's one thread, so
-  the weights are loaded and every step computes on the same thread: one OpenMP thread pool.
-  (``run`` on a thread of its own started a second pool beside the loader's, more OpenMP
-  threads than cores, and the Ray path fell behind the in-process engine; see
-  docs/results/performance.md.) ``ping``, ``stop`` and ``node_info`` answer on the ``control``
-  thread while ``run`` is busy.
+  the weights are loaded and every step computes on the same thread, which keeps one OpenMP
+  thread pool per process (each thread that computes gets its own pool; two would put more
+  OpenMP threads than cores on the rank). ``ping``, ``stop`` and ``node_info`` answer on the
+  ``control`` thread while ``run`` is busy.
 - The controller's death: Ray kills actors with their owner (these are never detached), and
   independently the loop checks, whenever no step came for ``liveness_after_s``, that the
   controller's step socket still accepts connections; if it is gone the actor exits.
@@ -37,6 +36,7 @@ import ray
 
 from pagedserve.config import EngineConfig
 from pagedserve.messages import KVCacheLayout, WorkerReport
+from pagedserve.net import parse_tcp_endpoint
 
 __all__ = ["RayWorker", "controller_reachable"]
 
@@ -57,13 +57,6 @@ def _unshadow_sys_path() -> None:
     ``pagedserve`` itself is importable through its installation, so the entry goes."""
     root = _package_root()
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
-
-
-def _endpoint_address(endpoint: str) -> tuple[str, int]:
-    """``tcp://host:port`` or ``tcp://[v6]:port`` -> ``(host, port)``."""
-    rest = endpoint.split("://", 1)[-1]
-    host, _, port = rest.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def _group_ranks_on_node(node_id: str) -> int:
@@ -87,7 +80,7 @@ def controller_reachable(endpoint: str, timeout_s: float = 2.0) -> bool:
     A closed or refused connection means the controller's sockets are gone (the process died);
     the probe connection is closed at once, before any ZMTP greeting, which ZeroMQ drops."""
     try:
-        host, port = _endpoint_address(endpoint)
+        host, port = parse_tcp_endpoint(endpoint)
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except (OSError, ValueError):

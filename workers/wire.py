@@ -2,14 +2,15 @@
 output rank's ``ModelRunnerOutput`` back, and report a failure from any rank.
 
 The controller binds a ROUTER (steps) and a PULL (replies); a rank connects a DEALER to the first
-and a PUSH to the second and says hello on both (see ``pagedserve/controller/wire.py`` for why).
+and a PUSH to the second and says hello on both (see ``pagedserve/cluster/wire.py`` for why).
 Per step only the output rank replies; a non-output rank is silent unless it fails, in which case
 it sends a failure frame (``reply_error``) so the controller learns of the failure at once and
 with the rank's own message instead of waiting out the step deadline.
 
-Frames are multipart ``[kind, body]`` with bodies from ``pagedserve.messages.encode``. The
-constants below are this module's copy of the format the controller side also defines; the two
-may not import each other, so they are kept equal by hand and checked by ``tests/test_wire.py``.
+Frames are multipart ``[kind, body]`` with bodies from ``pagedserve.messages.encode``. The two
+ends may not import each other, so the frame kinds, the envelope layouts and the wire version
+live in ``messages.StepFrame`` and the endpoint format in ``pagedserve.net``, which both import;
+``tests/test_wire.py`` runs this end against the controller's.
 
 A receiver instance belongs to the thread that uses it. Every wait is bounded.
 """
@@ -17,7 +18,6 @@ A receiver instance belongs to the thread that uses it. Every wait is bounded.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import time
@@ -35,6 +35,7 @@ from pagedserve.messages import (
     decode,
     encode,
 )
+from pagedserve.net import is_ipv6, ms_left, parse_tcp_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +80,6 @@ class BadStepFrameError(ReceiverError, ValueError):
 
 class ChannelStopped(ReceiverError):
     """The controller asked this rank to leave its receive loop."""
-
-
-def _ms_left(deadline: float) -> int:
-    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
 class StepReceiver:
@@ -130,7 +127,7 @@ class StepReceiver:
                 # here with a typed error instead of leaving the hello parked in a queue.
                 sock.setsockopt(zmq.IMMEDIATE, 1)
                 sock.setsockopt(zmq.SNDTIMEO, max(0, int(send_timeout_s * 1000)))
-                if endpoint.startswith("tcp://["):
+                if is_ipv6(parse_tcp_endpoint(endpoint)[0]):
                     sock.setsockopt(zmq.IPV6, 1)
             # A stable name lets the controller's ROUTER keep routing to this rank if the TCP
             # connection is re-established.
@@ -153,7 +150,7 @@ class StepReceiver:
         # A blocking receive bounded by RCVTIMEO: one call into libzmq per step, not a poll and
         # then a receive.
         while True:
-            self._step.setsockopt(zmq.RCVTIMEO, _ms_left(start + timeout_s))
+            self._step.setsockopt(zmq.RCVTIMEO, ms_left(start + timeout_s))
             try:
                 frames = self._step.recv_multipart()
             except zmq.Again:

@@ -8,7 +8,7 @@ import pytest
 from helpers.driver import drive
 
 from pagedserve.config import from_flat
-from pagedserve.controller.engine_core import EngineCore, child_seed
+from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -19,10 +19,10 @@ from pagedserve.controller.errors import (
     UnsupportedRequestError,
 )
 from pagedserve.controller.executor import LocalExecutor
+from pagedserve.controller.request import child_seed
 from pagedserve.kv.errors import RequestTooLargeError as KVRequestTooLargeError
 from pagedserve.messages import (
     KVCacheLayout,
-    ModelRunnerOutput,
     SamplingParams,
     SchedulerOutput,
     decode,
@@ -154,50 +154,27 @@ def test_child_seeds():
     assert child_seed(2**63 - 1, 2) < 2**63
 
 
-class _EchoWorker:
-    """A stand-in for pagedserve.workers.worker.Worker: always samples token 1."""
-
-    instances: list[_EchoWorker] = []
-
-    def __init__(self, config, rank=0):
-        self.rank = rank
-        self.seen: list[SchedulerOutput] = []
-        self.layout = None
-        self.closed = False
-        _EchoWorker.instances.append(self)
-
-    def load_model(self):
-        from pagedserve.messages import LayerKVSpec, WorkerReport
-
-        return WorkerReport([LayerKVSpec(1, 4, 2)], 1 << 16, 50, 32, "cpu")
-
-    def init_kv_cache(self, layout):
-        self.layout = layout
-
-    def execute(self, so):
-        self.seen.append(so)
-        ids = [nr.req_id for nr in so.new_reqs] + list(so.cached_reqs.req_ids)
-        return ModelRunnerOutput(so.step_id, ids, [1] * len(ids))
-
-    def shutdown(self):
-        self.closed = True
-
-
-def test_local_executor_runs_the_worker_its_factory_makes_and_rebuilds_it():
+def test_local_executor_runs_the_worker_its_factory_makes_and_rebuilds_it(kit):
     cfg = from_flat(block_size=4)
-    eng = drive(EngineCore(cfg, LocalExecutor(lambda: _EchoWorker(cfg))))
-    worker = _EchoWorker.instances[-1]
+    made: list = []  # every worker the factory made; the fake stands in for one
+
+    def make_worker():
+        made.append(kit.FakeExecutor(vocab_size=50, max_model_len=32))
+        return made[-1]
+
+    eng = drive(EngineCore(cfg, LocalExecutor(make_worker)))
+    worker = made[-1]
     assert worker.layout.block_size == 4 and eng.max_model_len == 32
     eng.add_request("a", [3, 4, 5], SamplingParams(max_tokens=3))
     while eng.has_unfinished():
         eng.step()
-    assert worker.seen and all(isinstance(so, SchedulerOutput) for so in worker.seen)
+    assert worker.outputs and all(isinstance(so, SchedulerOutput) for so in worker.outputs)
     # A restart shuts the worker down and makes a new one with the same KV layout.
     eng.executor.restart()
-    assert worker.closed and _EchoWorker.instances[-1] is not worker
-    assert _EchoWorker.instances[-1].layout == worker.layout
+    assert worker.shut and made[-1] is not worker
+    assert made[-1].layout == worker.layout
     eng.shutdown()
-    assert worker.closed
+    assert worker.shut
 
 
 def test_controller_does_not_import_torch():

@@ -31,17 +31,14 @@ def scoring(kit):
     class ScoringExecutor(kit.FakeExecutor):
         def __post_init__(self) -> None:
             super().__post_init__()
-            self.prompt_len: dict[str, int] = {}
             self.scored: dict[tuple[str, int], int] = {}
 
         def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-            for nr in so.new_reqs:
-                self.prompt_len[nr.req_id] = len(nr.prompt_token_ids)
             out = super().execute(so)
             for rid, n in so.num_scheduled_tokens.items():
                 row = self.rows[rid]
                 k = row.params.prompt_logprobs
-                num_prompt = self.prompt_len[rid]
+                num_prompt = row.prompt_len
                 if k is None or len(row.tokens) != num_prompt:
                     continue
                 lo, hi = row.computed - n, min(row.computed, num_prompt - 1)

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from pagedserve.controller.engine_core import child_seed
+from pagedserve.controller.request import child_seed
 from pagedserve.messages import SamplingParams
 
 

@@ -8,6 +8,7 @@ import queue
 import time
 from typing import Any
 
+import helpers.fake_executor as fake_executor
 import helpers.scripted as scripted
 import pytest
 import ray
@@ -93,6 +94,7 @@ def test_the_backends_give_the_same_deltas_and_errors() -> None:
         local.shutdown()
     _check(*local_run)
 
+    ray.cloudpickle.register_pickle_by_value(fake_executor)
     ray.cloudpickle.register_pickle_by_value(scripted)
     ensure_ray(None, num_cpus=2, log_to_driver=False)
     try:
@@ -105,6 +107,7 @@ def test_the_backends_give_the_same_deltas_and_errors() -> None:
     finally:
         ray.shutdown()
         ray.cloudpickle.unregister_pickle_by_value(scripted)
+        ray.cloudpickle.unregister_pickle_by_value(fake_executor)
     assert ray_run[0] == local_run[0]
     assert ray_run[1] == local_run[1]
     assert ray_run[2]["num_preemptions"] > 0

@@ -1,5 +1,5 @@
-"""``EngineCore``'s worker-group fault handling without Ray: an in-process executor that fails
-on demand stands in for a worker group whose rank died."""
+"""``EngineCore``'s worker-group fault handling without Ray: an in-process fake executor that
+fails on demand stands in for a worker group whose rank died."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 import pytest
 from helpers.checkpoints import make_checkpoint
 from helpers.driver import drive
+from helpers.fake_executor import FakeExecutor
 
 from pagedserve.builder import make_executor
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -21,47 +22,10 @@ PROMPT = list(range(3, 40))  # several full blocks of 4: prefix-cacheable
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-class FlakyExecutor:
-    """A ``LocalExecutor`` whose next step fails on request, and whose restarts may fail."""
-
-    def __init__(self, config: EngineConfig, restart_failures: int = 0) -> None:
-        self.config = config
-        self.inner = make_executor(config)
-        self.fail_next = False
-        self.restart_failures = restart_failures
-        self.restarts = 0
-        self.restart_times: list[float] = []
-
-    def check_failure(self):
-        return None
-
-    def initialize(self):
-        return self.inner.initialize()
-
-    def init_kv_cache(self, layout) -> None:
-        self.layout = layout
-        self.inner.init_kv_cache(layout)
-
-    def execute(self, scheduler_output):
-        if self.fail_next:
-            self.fail_next = False
-            raise WorkerGroupError(1, "node-x", "the worker actor died")
-        return self.inner.execute(scheduler_output)
-
-    def restart(self):
-        self.restart_times.append(time.monotonic())
-        if self.restart_failures:
-            self.restart_failures -= 1
-            raise RuntimeError("placement group not ready")
-        self.restarts += 1
-        self.inner.shutdown()
-        self.inner = make_executor(self.config)
-        report = self.inner.initialize()
-        self.inner.init_kv_cache(self.layout)
-        return report
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
+def flaky(**kw) -> FakeExecutor:
+    """A fake worker group whose next step fails on request (``fail``), and whose restarts may
+    fail (``restart_failures``); its vocabulary is the test checkpoint's tokenizer's."""
+    return FakeExecutor(vocab_size=512, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +48,7 @@ def _run(engine: EngineCore, rid: str):
 
 
 def test_failure_fails_requests_resets_state_and_recovers(config):
-    ex = FlakyExecutor(config)
+    ex = flaky()
     engine = drive(EngineCore(config, ex, eos_token_ids=(), restarts=RestartPolicy(backoff_s=0.01)))
     try:
         reference = _run(engine, "a").outputs[0].token_ids
@@ -92,7 +56,7 @@ def test_failure_fails_requests_resets_state_and_recovers(config):
         engine.add_request("c", PROMPT, GREEDY)
         engine.add_request("d", [5, 6, 7], SamplingParams(max_tokens=8, n=2, ignore_eos=True))
         engine.step()
-        ex.fail_next = True
+        ex.fail = WorkerGroupError(1, "node-x", "the worker actor died")
         failed = engine.step()
         assert sorted(o.request_id for o in failed) == ["c", "d"]
         for out in failed:
@@ -109,12 +73,12 @@ def test_failure_fails_requests_resets_state_and_recovers(config):
 
 
 def test_restarts_back_off_exponentially_then_the_engine_dies(config):
-    ex = FlakyExecutor(config, restart_failures=10)
+    ex = flaky(restart_failures=10)
     policy = RestartPolicy(max_restarts=2, backoff_s=0.1)
     engine = drive(EngineCore(config, ex, eos_token_ids=(), restarts=policy))
     try:
         engine.add_request("a", PROMPT, GREEDY)
-        ex.fail_next = True
+        ex.fail = WorkerGroupError(1, "node-x", "the worker actor died")
         failed_at = time.monotonic()
         assert [o.request_id for o in engine.step()] == ["a"]
         assert engine.step() == []  # restart 1 fails (after 0.1 s)

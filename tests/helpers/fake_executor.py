@@ -1,0 +1,202 @@
+"""The fake executor the engine-core tests run against: a deterministic stand-in for a worker
+group, without a model.
+
+It keeps per-request state from the ``SchedulerOutput`` deltas alone (as a real worker must),
+simulates the KV pool slot by slot (writes of the whole batch first, then reads, like the real
+forward pass) and checks that every position a request attends to holds that request's token.
+So prefix hits, copy-on-write, tier copies and preemption are checked end to end. Each
+request's next token depends on its own last token (and seed) only, so what it produces is the
+same whatever it is batched with and whether it was preempted. Faults on cue: ``fail`` (one
+step raises), ``restart_failures``; subclasses override ``execute`` or ``sample`` for others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedserve.messages import (
+    KVCacheLayout,
+    LayerKVSpec,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    WorkerReport,
+    decode,
+    encode,
+)
+
+__all__ = ["FakeExecutor", "Row", "next_token"]
+
+
+def next_token(last: int, seed: int | None, vocab: int) -> int:
+    return (last * 31 + 7 + (seed or 0)) % vocab
+
+
+@dataclass
+class Row:
+    """What the fake worker knows of one request, from the deltas alone."""
+
+    tokens: list[int]
+    computed: int
+    blocks: list[list[int]]
+    params: SamplingParams
+    prompt_len: int
+    emitted: int = 0
+
+
+@dataclass
+class FakeExecutor:
+    vocab_size: int = 1000
+    max_model_len: int = 256
+    num_layers: int = 2
+    available_kv_bytes: int = 1 << 20
+    check_wire: bool = True
+    sliding_window: int | None = None
+    """If set, odd layers use this window (a hybrid model: two KV groups)."""
+    all_sliding: bool = False
+    """With ``sliding_window``: every layer uses the window (one sliding group)."""
+    script: dict[str, list[int]] = field(default_factory=dict)
+    """Per request id: tokens to emit instead of the arithmetic rule."""
+    rule: Callable[[int, int | None, int], int] = next_token
+    """The arithmetic rule: ``(last token, seed, vocab size) -> next token``."""
+    step_s: float = 0.0
+    """Each step takes this long, as a real one takes time (so an abort can land mid-request)."""
+    fail: BaseException | None = None
+    """Raised once, by the first step whose id is at least ``fail_at_step`` (a worker group
+    that died: ``WorkerGroupError``; any other error kills the engine)."""
+    fail_at_step: int = 0
+    restart_failures: int = 0
+    """How many ``restart`` calls fail (a placement group that is not ready) before one works."""
+
+    def __post_init__(self) -> None:
+        self.rows: dict[str, Row] = {}
+        self.pool: dict[int, list[int | None]] = {}
+        self.host_pool: dict[int, list[int | None]] = {}
+        self.outputs: list[SchedulerOutput] = []
+        self.layout: KVCacheLayout | None = None
+        self.shut = False
+        self.restarts = 0
+        self.restart_times: list[float] = []
+
+    def initialize(self) -> WorkerReport:
+        full = LayerKVSpec(num_kv_heads=2, head_size=8, dtype_bytes=2)
+        sw = LayerKVSpec(2, 8, 2, sliding_window=self.sliding_window)
+        self.layer_specs = [
+            sw if self.sliding_window and (i % 2 or self.all_sliding) else full
+            for i in range(self.num_layers)
+        ]
+        return WorkerReport(
+            self.layer_specs,
+            self.available_kv_bytes,
+            self.vocab_size,
+            self.max_model_len,
+            "cpu",
+        )
+
+    load_model = initialize  # so that it also stands in for a worker under ``LocalExecutor``
+
+    def init_kv_cache(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+    def check_failure(self) -> None:
+        return None
+
+    def restart(self) -> WorkerReport:
+        self.restart_times.append(time.monotonic())
+        if self.restart_failures:
+            self.restart_failures -= 1
+            raise RuntimeError("placement group not ready")
+        self.restarts += 1
+        self.rows.clear()
+        self.pool.clear()
+        self.host_pool.clear()
+        return self.initialize()
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.fail is not None and so.step_id >= self.fail_at_step:
+            exc, self.fail = self.fail, None
+            raise exc
+        time.sleep(self.step_s)
+        if self.check_wire:
+            raw = encode(so)
+            so = decode(raw)
+            assert encode(so) == raw, "SchedulerOutput is not stable through the codec"
+        self.outputs.append(so)
+        assert self.layout is not None
+        bs = self.layout.block_size
+        for rid in so.finished_req_ids:
+            assert rid in self.rows, f"drop of unknown {rid}"
+            del self.rows[rid]
+        for nr in so.new_reqs:
+            assert nr.req_id not in self.rows, f"{nr.req_id} added twice"
+            self.rows[nr.req_id] = Row(
+                list(nr.prompt_token_ids) + list(nr.output_token_ids),
+                nr.num_computed_tokens,
+                [list(g) for g in nr.block_ids],
+                nr.sampling_params,
+                len(nr.prompt_token_ids),
+            )
+        c = so.cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            row = self.rows[rid]
+            row.tokens.extend(c.new_token_ids[i])
+            assert row.computed == c.num_computed_tokens[i], (rid, row.computed, c)
+            if c.new_block_ids[i] is not None:
+                for g, ids in enumerate(c.new_block_ids[i]):
+                    row.blocks[g].extend(ids)
+        assert set(so.num_scheduled_tokens) == {nr.req_id for nr in so.new_reqs} | set(c.req_ids)
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        # Tier copies first (device -> host, then host -> device), then copy-on-write.
+        if so.blocks_to_host or so.blocks_to_device:
+            assert self.layout.num_host_blocks > 0, "tier copies without a host tier"
+        for src, dst in so.blocks_to_host:
+            assert 0 < dst < self.layout.num_host_blocks and 0 < src < self.layout.num_blocks
+            self.host_pool[dst] = list(self.pool.get(src, [None] * bs))
+        for src, dst in so.blocks_to_device:
+            assert 0 < src < self.layout.num_host_blocks and 0 < dst < self.layout.num_blocks
+            assert src in self.host_pool, f"host block {src} read before anything was written"
+            self.pool[dst] = list(self.host_pool[src])
+        for src, dst in so.block_copies:
+            self.pool[dst] = list(self.pool.get(src, [None] * bs))
+        # Write every scheduled token of the batch, then read: the forward-pass order.
+        for rid, n in so.num_scheduled_tokens.items():
+            row = self.rows[rid]
+            end = row.computed + n
+            assert 0 < n and end <= len(row.tokens), (rid, row.computed, n, len(row.tokens))
+            for p in range(row.computed, end):
+                for g in row.blocks:
+                    b = g[p // bs]
+                    assert b != 0, "write into the null block"
+                    self.pool.setdefault(b, [None] * bs)[p % bs] = row.tokens[p]
+        out = ModelRunnerOutput(step_id=so.step_id)
+        for rid, n in so.num_scheduled_tokens.items():
+            row = self.rows[rid]
+            end = row.computed + n
+            for g, ids in enumerate(row.blocks):
+                window = self.layer_specs[self.layout.groups[g][0]].sliding_window
+                # The first token of this chunk attends back to (computed - window, computed].
+                first = max(0, end - n - window + 1) if window else 0
+                for p in range(first, end):
+                    got = self.pool[ids[p // bs]][p % bs]
+                    assert got == row.tokens[p], (
+                        f"{rid}: KV at {p} holds {got}, not {row.tokens[p]}"
+                    )
+            row.computed = end
+            if end == len(row.tokens):
+                tok = self.sample(rid, row)
+                row.emitted += 1
+                out.req_ids.append(rid)
+                out.sampled_token_ids.append(tok)
+        return out
+
+    def sample(self, rid: str, row: Row) -> int:
+        """The token a request whose scheduled tokens reach its end samples this step."""
+        script = self.script.get(rid)
+        if script is not None:
+            return script[row.emitted]
+        return self.rule(row.tokens[-1], row.params.seed, self.vocab_size)
