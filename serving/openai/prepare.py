@@ -9,9 +9,8 @@ from typing import Any
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.messages import SamplingParams, SamplingParamsError
-from pagedserve.serving.openai_handlers import Endpoint
-from pagedserve.serving.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from pagedserve.serving.openai_serving import (
+from pagedserve.serving.openai.endpoint import Endpoint
+from pagedserve.serving.openai.engine_run import (
     APIError,
     EngineRun,
     Prompt,
@@ -19,6 +18,7 @@ from pagedserve.serving.openai_serving import (
     engine_unavailable,
     submit_error,
 )
+from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 __all__ = ["prepare_chat", "prepare_completion", "render_chat"]
 
