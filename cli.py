@@ -8,8 +8,8 @@ import sys
 
 from pagedserve import __version__
 from pagedserve.bench.cli import add_bench_parser, run_bench
-from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
-from pagedserve.serving.serve_cli import add_serve_parser, run_serve
+from pagedserve.serving.cli.generate import add_generate_arguments, run_generate_job
+from pagedserve.serving.cli.serve import add_serve_parser, run_serve
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,5 +5,11 @@
 * ``serving`` measures a running ``pagedserve serve`` (or ones it starts) over HTTP, with
   streaming clients timed per server-sent event (``serving``, ``prom``);
 * ``workloads`` holds the synthetic length distributions and arrival processes, ``plots``
-  the figures. Nothing here imports torch, the kernels or the workers.
+  the figures, ``report`` where a run's files go (``results_dir``: ``--out``, else a fresh
+  folder, never the committed ``docs/results/``) and the tables. Nothing here imports torch,
+  the kernels or the workers.
+
+This is the installed half of the measurements; the runnable scripts (kernels, engine, peers,
+chaos; not installed, some import torch) are in the repository's ``benchmarks/`` and share
+``report`` from here.
 """

@@ -7,7 +7,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench.report import RUNS_DIR, results_dir
+
 __all__ = ["add_bench_parser", "run_bench"]
+
+_OUT_HELP = (f"the folder for the results (default: a fresh {RUNS_DIR}/EXPERIMENT-TIMESTAMP "
+             "under the current directory; the committed ones take --out docs/results/...)")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -31,7 +36,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Drive the real scheduler and KV manager with synthetic workloads and a "
         "no-compute executor; compare paged against reserve (Orca-Max), Orca-Pow2 and "
         "Orca-Oracle. Writes memory.json, memory.md and PNGs into --out.")
-    m.add_argument("--out", type=Path, default=Path("docs/results/memory"))
+    m.add_argument("--out", type=Path, default=None, help=_OUT_HELP)
     m.add_argument("--quick", action="store_true", help="a small run (CI): about 30 s")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--block-size", type=int, default=16)
@@ -53,7 +58,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "streaming from /v1/completions and timing each server-sent event. Without --url, "
         "starts one `pagedserve serve` per allocation policy. Writes serving.json, "
         "serving.md and PNGs into --out.")
-    s.add_argument("--out", type=Path, default=Path("docs/results/serving"))
+    s.add_argument("--out", type=Path, default=None, help=_OUT_HELP + "; --replot reads it")
     s.add_argument("--quick", action="store_true",
                    help="a small run (CI): tiny lengths, 2 rates, local-backend servers")
     s.add_argument("--url", default=None,
@@ -90,8 +95,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         from pagedserve.bench.memory import MemoryOptions, run_memory
 
         mo = MemoryOptions(
-            out=args.out, quick=args.quick, seed=args.seed, block_size=args.block_size,
-            kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
+            out=results_dir(args.out, "memory"), quick=args.quick, seed=args.seed,
+            block_size=args.block_size, kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
             sharegpt_requests=args.sharegpt_requests, sharegpt_rate=args.sharegpt_rate,
             alpaca_requests=args.alpaca_requests, alpaca_rate=args.alpaca_rate,
             progress=not args.no_progress, argv=argv,
@@ -104,9 +109,12 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         from pagedserve.bench.serving import ServingOptions, replot, run_serving
 
         if args.replot:
+            if args.out is None:
+                print("pagedserve bench serving: --replot needs --out (the earlier run's folder)")
+                return 2
             replot(args.out)
             return 0
-        so = ServingOptions(out=args.out, url=args.url, label=args.label,
+        so = ServingOptions(out=results_dir(args.out, "serving"), url=args.url, label=args.label,
                             policies=tuple(x for x in args.policies.split(",") if x),
                             burstiness=args.burstiness, server_args=args.server_args,
                             seed=args.seed, quick=args.quick, progress=not args.no_progress,

@@ -1,4 +1,5 @@
-"""Shared output helpers: the command line that made a result, JSON and markdown tables."""
+"""Shared output helpers: where a run's files go, the command line that made a result, JSON and
+markdown tables."""
 
 from __future__ import annotations
 
@@ -6,10 +7,38 @@ import json
 import math
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["command_line", "emit_table", "fmt_pct", "md_table", "write_json"]
+__all__ = [
+    "RUNS_DIR", "command_line", "emit_table", "fmt_pct", "md_table", "results_dir", "write_json",
+]
+
+# Runs without an explicit destination land here, under the current directory, never in the
+# committed docs/results/ (a --quick run from the repository root once replaced them).
+RUNS_DIR = Path("bench-runs")
+
+
+def results_dir(out: Path | str | None, name: str) -> Path:
+    """The folder a run writes into: ``out`` when given (made if missing), else a fresh
+    ``bench-runs/NAME-YYYYmmdd-HHMMSS`` under the current directory, announced on stdout.
+    Regenerating the committed results takes an explicit ``--out docs/results/...``."""
+    if out is not None:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    RUNS_DIR.mkdir(exist_ok=True)
+    for i in range(1, 1000):
+        path = RUNS_DIR / (f"{name}-{stamp}" if i == 1 else f"{name}-{stamp}-{i}")
+        try:
+            path.mkdir()
+        except FileExistsError:  # two runs in the same second
+            continue
+        print(f"no --out given: writing into {path}")
+        return path
+    raise FileExistsError(f"no fresh folder for {name} under {RUNS_DIR}")
 
 
 def command_line(argv: list[str] | None) -> str:

@@ -1,6 +1,6 @@
 """Chaos against the HTTP server: a storm of misbehaving clients and a worker killed mid-storm.
 
-The server is the one ``pagedserve serve`` runs (``serving.api_server.build_app`` over an engine
+The server is the one ``pagedserve serve`` runs (``serving.openai.server.build_app`` over an engine
 on Ray: controller actor, worker actor, the demo checkpoint), served by uvicorn in this process
 on 127.0.0.1 so that the script can reach the worker actor to kill it. The KV pool is small, so
 the engine preempts. The storm mixes streaming and plain clients, clients that disconnect
@@ -39,7 +39,7 @@ import uvicorn
 
 from pagedserve.builder import start_engine
 from pagedserve.config import from_flat
-from pagedserve.serving.api_server import build_app
+from pagedserve.serving.openai.server import build_app
 from pagedserve.workers.demo import DEMO_VOCAB_SIZE, write_demo_checkpoint
 
 MAX_MODEL_LEN = 256

@@ -1,6 +1,6 @@
 """Chat conversations rendered into prompts through the model's chat template.
 
-One place for what the batch job's ``messages`` lines, ``LLM.chat`` and ``pagedserve generate
+One place for what the JSONL job's ``messages`` lines, ``LLM.chat`` and ``pagedserve generate
 --chat`` share: check a conversation's shape, apply the tokenizer's chat template (with the
 generation prompt), and tokenize the text without adding special tokens again (the template
 writes its own BOS and role markers). Pure Python: the tokenizer does the work.

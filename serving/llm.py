@@ -1,4 +1,4 @@
-"""``LLM``: the offline batch API.
+"""``LLM``: the offline Python API.
 
 Two backends (``backend=``, default ``$PAGEDSERVE_BACKEND`` or ``ray``), one path: both run the
 engine loop behind an ``EngineClient`` and ``generate`` pipelines every prompt's add, then

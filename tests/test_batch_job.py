@@ -1,4 +1,4 @@
-"""The batch generate job (serving/batch_job.py) on a tiny checkpoint.
+"""The JSONL generate job (serving/jsonl_job/job.py) on a tiny checkpoint.
 
 One in-process engine (the ``local`` backend: no Ray) serves most cases, as ``run_job`` takes
 any ``EngineClient``; the command-line path starts its own, also local. Greedy sampling with
@@ -19,9 +19,9 @@ from helpers.checkpoints import make_checkpoint
 from pagedserve.builder import start_engine
 from pagedserve.config import from_flat
 from pagedserve.messages import SamplingParams
-from pagedserve.serving.batch_job import nothing_left, run_job
-from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
-from pagedserve.serving.job_lines import id_key
+from pagedserve.serving.cli.generate import add_generate_arguments, run_generate_job
+from pagedserve.serving.jsonl_job.job import nothing_left, run_job
+from pagedserve.serving.jsonl_job.lines import id_key
 
 MAX_MODEL_LEN = 96
 ENGINE = {"max_model_len": MAX_MODEL_LEN, "num_gpu_blocks": 128, "block_size": 16}

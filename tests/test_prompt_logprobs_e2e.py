@@ -124,7 +124,7 @@ def test_generate_under_preemption(ckpt: Path, reference, monkeypatch) -> None:
 def test_jsonl_job_carries_prompt_logprobs(ckpt: Path, reference, tmp_path: Path) -> None:
     from pagedserve.builder import start_engine
     from pagedserve.config import from_flat
-    from pagedserve.serving.batch_job import run_job
+    from pagedserve.serving.jsonl_job.job import run_job
 
     prompts = _prompts(5, (12, 30))
     inp = tmp_path / "in.jsonl"

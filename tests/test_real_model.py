@@ -139,7 +139,7 @@ def test_answers_the_capital_of_france(llm) -> None:
 def test_generate_command_answers_a_chat_question(real_model_cache, capsys, monkeypatch) -> None:
     import argparse
 
-    from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
+    from pagedserve.serving.cli.generate import add_generate_arguments, run_generate_job
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(real_model_cache))
     parser = argparse.ArgumentParser()
@@ -156,7 +156,7 @@ def test_generate_command_answers_a_chat_question(real_model_cache, capsys, monk
 def test_batch_job_on_the_real_model_equals_transformers(hf, llm, tmp_path) -> None:
     import json
 
-    from pagedserve.serving.batch_job import run_job
+    from pagedserve.serving.jsonl_job.job import run_job
 
     model, tokenizer = hf
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -177,7 +177,7 @@ def test_server_chat_on_the_real_model_equals_transformers(hf, llm) -> None:
 
     import httpx2 as httpx
 
-    from pagedserve.serving.api_server import build_app
+    from pagedserve.serving.openai.server import build_app
 
     model, tokenizer = hf
     app = build_app(llm.client)

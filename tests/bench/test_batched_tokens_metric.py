@@ -9,7 +9,7 @@ from pagedserve.controller.request import Request
 from pagedserve.controller.scheduler import BATCHED_TOKENS_BUCKETS, Scheduler
 from pagedserve.kv import KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, SamplingParams
-from pagedserve.serving.metrics import ServerMetrics
+from pagedserve.serving.openai.metrics import ServerMetrics
 
 
 def _run(num_reqs: int, prompt: int, out: int) -> Scheduler:

@@ -13,7 +13,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from pagedserve.serving.api_server import build_app
+from pagedserve.serving.openai.server import build_app
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

@@ -1,6 +1,6 @@
 """Batch work runs behind interactive traffic.
 
-The rule (``serving/batch_runner.py``): a batch line enters the engine only while fewer than
+The rule (``serving/batch_api/runner.py``): a batch line enters the engine only while fewer than
 ``max_in_flight`` batch lines are in it, no interactive call is in progress on the server, and
 the engine reports no waiting request. A scripted engine checks each condition; the tiny
 checkpoint checks the outcome: an interactive request sent while a big batch runs is answered
@@ -22,11 +22,11 @@ import httpx2 as httpx
 import pytest
 
 from pagedserve.messages import AddRequest, CompletionDelta, RequestDelta
-from pagedserve.serving.api_server import build_app
-from pagedserve.serving.batch_runner import BatchRunner
-from pagedserve.serving.batch_store import BatchStore
-from pagedserve.serving.metrics import ServerMetrics
-from pagedserve.serving.openai_serving import ServerContext
+from pagedserve.serving.batch_api.runner import BatchRunner
+from pagedserve.serving.batch_api.store import BatchStore
+from pagedserve.serving.openai.engine_run import ServerContext
+from pagedserve.serving.openai.metrics import ServerMetrics
+from pagedserve.serving.openai.server import build_app
 
 
 class ScriptedEngine:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.serving.batch_lines import DUPLICATE, LineTracker, job_fields, parse_line
-from pagedserve.serving.batch_store import BatchStore, RecordFile, default_batch_dir
+from pagedserve.serving.batch_api.records import DUPLICATE, LineTracker, job_fields, parse_line
+from pagedserve.serving.batch_api.store import BatchStore, RecordFile, default_batch_dir
 
 EP = "/v1/completions"
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.serving.api_server import build_app
+from pagedserve.serving.openai.server import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pagedserve.json"

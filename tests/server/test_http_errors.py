@@ -12,7 +12,7 @@ import httpx2 as httpx
 import pytest
 
 from pagedserve.controller.errors import EngineDeadError, EngineOverloadedError
-from pagedserve.serving.api_server import build_app
+from pagedserve.serving.openai.server import build_app
 
 KEY = "sekrit-key"
 

@@ -15,7 +15,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from pagedserve.serving.api_server import build_app
+from pagedserve.serving.openai.server import build_app
 
 
 @pytest.fixture(scope="module")

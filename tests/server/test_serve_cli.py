@@ -12,11 +12,11 @@ import time
 
 import httpx2 as httpx
 
-from pagedserve.serving.serve_cli import add_serve_parser, engine_options, run_serve
+from pagedserve.serving.cli.serve import add_serve_parser, engine_options, run_serve
 
 RUNNER = (
     "import argparse, sys\n"
-    "from pagedserve.serving.serve_cli import add_serve_parser, run_serve\n"
+    "from pagedserve.serving.cli.serve import add_serve_parser, run_serve\n"
     "p = argparse.ArgumentParser(); sub = p.add_subparsers(dest='command')\n"
     "add_serve_parser(sub)\n"
     "sys.exit(run_serve(p.parse_args(sys.argv[1:])))\n"

@@ -17,9 +17,9 @@ import pytest
 
 from pagedserve.messages import AddRequest, CompletionDelta, RequestDelta
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.serving.metrics import ServerMetrics
-from pagedserve.serving.openai_handlers import Endpoint
-from pagedserve.serving.openai_serving import APIError, EngineRun, Prompt, ServerContext
+from pagedserve.serving.openai.endpoint import Endpoint
+from pagedserve.serving.openai.engine_run import APIError, EngineRun, Prompt, ServerContext
+from pagedserve.serving.openai.metrics import ServerMetrics
 
 Sink = Callable[[RequestDelta], None]
 

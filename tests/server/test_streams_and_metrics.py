@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import httpx2 as httpx
 import pytest
 
-from pagedserve.serving.api_server import build_app
+from pagedserve.serving.openai.server import build_app
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from pagedserve.serving.api_server import build_app
+from pagedserve.serving.openai.server import build_app
 
 # Long enough to fill several 16-token blocks, so a repeat finds them in the prefix cache.
 LONG = "A paged cache splits the memory of every sequence into fixed blocks. " * 3

@@ -7,7 +7,7 @@ from __future__ import annotations
 def test_the_server_renders_the_chat_template_once_while_it_starts() -> None:
     from types import SimpleNamespace
 
-    from pagedserve.serving.api_server import build_app
+    from pagedserve.serving.openai.server import build_app
 
     rendered: list[tuple[list, bool]] = []
 

@@ -276,8 +276,8 @@ def test_missing_default_model_package_says_how_to_install(
 def test_commands_report_an_unknown_model_as_a_bad_option(tmp_path: Path, capsys) -> None:
     import argparse
 
-    from pagedserve.serving.generate_cli import add_generate_arguments, run_generate_job
-    from pagedserve.serving.serve_cli import add_serve_parser, run_serve
+    from pagedserve.serving.cli.generate import add_generate_arguments, run_generate_job
+    from pagedserve.serving.cli.serve import add_serve_parser, run_serve
 
     nope = str(tmp_path / "nope")
     gen = argparse.ArgumentParser()

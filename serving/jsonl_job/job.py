@@ -1,4 +1,4 @@
-"""The batch generate job: ``pagedserve generate --input in.jsonl --output out.jsonl``.
+"""The JSONL generate job: ``pagedserve generate --input in.jsonl --output out.jsonl``.
 
 Each input line is one request: ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat,
 rendered through the tokenizer's chat template), an optional ``id`` (the 1-based line number
@@ -19,7 +19,7 @@ failed lines (capped at 125), 0 when none failed.
 Requests the engine could not finish because it died are *not* written, so a rerun retries them.
 
 The job talks to the engine only through ``EngineClient``; the command around it is
-``serving/generate_cli.py``.
+``serving/cli/generate.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pagedserve.controller.client import EngineClient
 from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.outputs import final_output_sink
 from pagedserve.messages import AddRequest, RequestOutput
-from pagedserve.serving.job_lines import (
+from pagedserve.serving.jsonl_job.lines import (
     Item,
     LineError,
     error_record,

@@ -1,6 +1,6 @@
 """One line of a JSONL generate job: parsing it into a request, and its output records.
 
-Shared by ``pagedserve generate --input`` (``batch_job.py``) and anything else that reads the
+Shared by ``pagedserve generate --input`` (``jsonl_job/job.py``) and anything else that reads the
 same lines. A line that cannot be served raises ``LineError`` with the reason.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.messages import RequestOutput, SamplingParams, SamplingParamsError
-from pagedserve.serving.batch_lines import job_fields
+from pagedserve.serving.batch_api.records import job_fields
 from pagedserve.serving.chat import ChatError, render_chat
 
 __all__ = [

@@ -6,8 +6,8 @@ An output record is ``{"id", "custom_id", "response": {"status_code", "request_i
 when the line never reached an endpoint (a malformed line) or the endpoint's error answer
 (status and OpenAI error body) when the endpoint refused the body.
 
-The format is shared by the online Batch API (``batch_runner``) and, through
-``job_fields``, by ``pagedserve generate --input`` (``batch_job``).
+The format is shared by the online Batch API (``batch_api.runner``) and, through
+``job_fields``, by ``pagedserve generate --input`` (``jsonl_job.job``).
 """
 
 from __future__ import annotations

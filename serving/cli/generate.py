@@ -1,6 +1,6 @@
-"""``pagedserve generate``: its options, and the command around the batch job.
+"""``pagedserve generate``: its options, and the command around the JSONL job.
 
-With ``--input``/``--output`` it runs ``batch_job.run_job``; without, the plain form: each
+With ``--input``/``--output`` it runs ``jsonl_job.job.run_job``; without, the plain form: each
 ``--prompt`` through the engine, completions printed to stdout. ``--address`` is handed to
 ``start_engine`` (None: a fresh local Ray instance, ``auto``: attach to a running Ray cluster;
 ``--backend local`` keeps the engine in this process).
@@ -21,9 +21,9 @@ from pagedserve.controller.client import EngineClient
 from pagedserve.controller.errors import EngineDeadError
 from pagedserve.controller.outputs import final_output_sink
 from pagedserve.messages import AddRequest, RequestOutput, SamplingParams, SamplingParamsError
-from pagedserve.serving.batch_job import nothing_left, run_job
 from pagedserve.serving.chat import ChatError, render_chat, user_turn
-from pagedserve.serving.engine_args import add_engine_arguments, engine_options
+from pagedserve.serving.cli.engine_args import add_engine_arguments, engine_options
+from pagedserve.serving.jsonl_job.job import nothing_left, run_job
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +192,7 @@ def run_generate_job(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pagedserve.serving.generate_cli``: the command without the CLI wrapper."""
+    """``python -m pagedserve.serving.cli.generate``: the command without the CLI wrapper."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="pagedserve generate")
     add_generate_arguments(parser)

@@ -1,6 +1,6 @@
 """``/v1/completions`` and ``/v1/chat/completions``: request -> engine run -> response.
 
-Both endpoints share one path: ``openai_prepare`` turns the body into an ``EngineRun`` and an
+Both endpoints share one path: ``prepare`` turns the body into an ``EngineRun`` and an
 ``Endpoint``; the ``Endpoint`` here either waits and builds one response or streams
 server-sent events. A stream forwards the engine's deltas (text
 is append-only: the engine itself holds back what a stop string could still cut), coalescing
@@ -20,7 +20,7 @@ from pagedserve.messages import (
     CompletionDelta,
     CompletionOutput,
 )
-from pagedserve.serving.openai_serving import (
+from pagedserve.serving.openai.engine_run import (
     APIError,
     EngineRun,
     token_text,

@@ -29,7 +29,7 @@ from pagedserve.controller.errors import (
 )
 from pagedserve.controller.outputs import OutputAccumulator
 from pagedserve.messages import AddRequest, RequestDelta, RequestOutput, SamplingParams
-from pagedserve.serving.metrics import ServerMetrics
+from pagedserve.serving.openai.metrics import ServerMetrics
 
 __all__ = [
     "APIError",

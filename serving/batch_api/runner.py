@@ -40,11 +40,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagedserve.serving.batch_lines import LineTracker, input_lines, parse_line, record
-from pagedserve.serving.batch_store import BatchStore, RecordFile
-from pagedserve.serving.openai_prepare import prepare_chat, prepare_completion
-from pagedserve.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
-from pagedserve.serving.openai_serving import APIError, ServerContext, validation_error
+from pagedserve.serving.batch_api.records import LineTracker, input_lines, parse_line, record
+from pagedserve.serving.batch_api.store import BatchStore, RecordFile
+from pagedserve.serving.openai.engine_run import APIError, ServerContext, validation_error
+from pagedserve.serving.openai.prepare import prepare_chat, prepare_completion
+from pagedserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["ENDPOINTS", "MAX_LINES", "BatchRunner"]
 

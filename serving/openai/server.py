@@ -3,11 +3,11 @@
 ``build_app(client)`` makes the ASGI app (testable without a socket); ``serve(config, ...)``
 starts an engine and runs the app under uvicorn until interrupted. Routes:
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-server-sent-event streaming), ``POST /tokenize`` and ``/detokenize`` (``tokenize_api``), the
-Batch API when a batch directory is given (``batch_api``), ``GET /health`` and ``GET /metrics``
-(Prometheus). With an API key every route but ``/health`` needs ``Authorization: Bearer
-<key>``. Every error answers with the OpenAI error body ``{"error": {"message", "type",
-"param", "code"}}``.
+server-sent-event streaming), ``POST /tokenize`` and ``/detokenize`` (``tokenize_routes``),
+the Batch API when a batch directory is given (``serving.batch_api``), ``GET /health`` and
+``GET /metrics`` (Prometheus). With an API key every route but ``/health`` needs
+``Authorization: Bearer <key>``. Every error answers with the OpenAI error body
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -28,24 +28,24 @@ from starlette.types import Receive, Scope, Send
 
 from pagedserve.config import EngineConfig
 from pagedserve.controller.client import EngineClient
-from pagedserve.serving.metrics import ServerMetrics
-from pagedserve.serving.openai_handlers import Endpoint
-from pagedserve.serving.openai_prepare import prepare_chat, prepare_completion, warm_chat_template
-from pagedserve.serving.openai_protocol import (
-    ERROR_RESPONSES,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-)
-from pagedserve.serving.openai_serving import (
+from pagedserve.serving.openai.endpoint import Endpoint
+from pagedserve.serving.openai.engine_run import (
     APIError,
     ClientGone,
     EngineRun,
     ServerContext,
     validation_error,
 )
-from pagedserve.serving.tokenize_api import tokenize_router
+from pagedserve.serving.openai.metrics import ServerMetrics
+from pagedserve.serving.openai.prepare import prepare_chat, prepare_completion, warm_chat_template
+from pagedserve.serving.openai.protocol import (
+    ERROR_RESPONSES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pagedserve.serving.openai.tokenize_routes import tokenize_router
 
 __all__ = ["build_app", "serve"]
 
@@ -187,9 +187,9 @@ def build_app(
     app.include_router(tokenize_router(client))
     app.state.batches = None
     if batch_dir is not None:
-        from pagedserve.serving.batch_api import batch_router
-        from pagedserve.serving.batch_runner import BatchRunner
-        from pagedserve.serving.batch_store import BatchStore
+        from pagedserve.serving.batch_api.routes import batch_router
+        from pagedserve.serving.batch_api.runner import BatchRunner
+        from pagedserve.serving.batch_api.store import BatchStore
 
         runner = BatchRunner(BatchStore(batch_dir), ctx, max_in_flight=batch_max_in_flight)
         app.include_router(batch_router(runner))

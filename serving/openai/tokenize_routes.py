@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.serving.openai_prepare import check_model_name, render_chat
-from pagedserve.serving.openai_protocol import ERROR_RESPONSES, ChatMessage
-from pagedserve.serving.openai_serving import APIError
+from pagedserve.serving.openai.engine_run import APIError
+from pagedserve.serving.openai.prepare import check_model_name, render_chat
+from pagedserve.serving.openai.protocol import ERROR_RESPONSES, ChatMessage
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "tokenize_router"]
 

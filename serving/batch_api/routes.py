@@ -19,10 +19,10 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, StrictStr
 
-from pagedserve.serving.batch_lines import BATCH_ENDPOINTS
-from pagedserve.serving.batch_runner import BatchRunner
-from pagedserve.serving.batch_store import TERMINAL
-from pagedserve.serving.openai_serving import APIError
+from pagedserve.serving.batch_api.records import BATCH_ENDPOINTS
+from pagedserve.serving.batch_api.runner import BatchRunner
+from pagedserve.serving.batch_api.store import TERMINAL
+from pagedserve.serving.openai.engine_run import APIError
 
 __all__ = ["MAX_UPLOAD_BYTES", "CreateBatchRequest", "batch_router"]
 

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from pagedserve.serving.engine_args import add_engine_arguments, engine_options
+from pagedserve.serving.cli.engine_args import add_engine_arguments, engine_options
 
 __all__ = ["add_serve_parser", "engine_options", "run_serve"]
 
@@ -48,8 +48,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; 0 on a clean stop, 2 on a bad configuration."""
     from pagedserve.builder import resolve_model_dir
     from pagedserve.config import ConfigError, from_flat
-    from pagedserve.serving.api_server import serve
-    from pagedserve.serving.batch_store import default_batch_dir
+    from pagedserve.serving.batch_api.store import default_batch_dir
+    from pagedserve.serving.openai.server import serve
 
     logging.getLogger("pagedserve").setLevel(args.log_level.upper())
     if args.batch_max_in_flight < 1:

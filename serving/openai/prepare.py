@@ -10,9 +10,8 @@ from typing import Any
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.messages import SamplingParams, SamplingParamsError
-from pagedserve.serving.openai_handlers import Endpoint
-from pagedserve.serving.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from pagedserve.serving.openai_serving import (
+from pagedserve.serving.openai.endpoint import Endpoint
+from pagedserve.serving.openai.engine_run import (
     APIError,
     EngineRun,
     Prompt,
@@ -20,8 +19,11 @@ from pagedserve.serving.openai_serving import (
     engine_unavailable,
     submit_error,
 )
+from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
-__all__ = ["check_model_name", "prepare_chat", "prepare_completion", "render_chat"]
+__all__ = [
+    "check_model_name", "prepare_chat", "prepare_completion", "render_chat", "warm_chat_template",
+]
 
 # Request fields passed to SamplingParams unchanged when present.
 _PASSTHROUGH = (

@@ -1,0 +1,4 @@
+"""The OpenAI-compatible HTTP server (``pagedserve serve``): ``server`` builds the app,
+``protocol`` holds the bodies, ``prepare`` and ``endpoint`` answer ``/v1/completions`` and
+``/v1/chat/completions`` over an ``engine_run``, ``tokenize_routes`` the tokenizer routes and
+``metrics`` the Prometheus registry."""
