@@ -73,6 +73,7 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
+        num_lookahead_tokens: int = 0,
     ) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}")
@@ -83,6 +84,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
+        self.num_lookahead_tokens = num_lookahead_tokens
+        """Slots reserved past each scheduled chunk for drafts proposed after the step (a
+        drafter on the workers); 0 without one."""
         self.requests: dict[str, Request] = {}
         """Every live request, unforked children included."""
         self.waiting: deque[Request] = deque()
@@ -170,20 +174,20 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            blocks = self.kv.allocate_slots(req, n)
+            blocks = self._allocate_slots(req, n)
             while blocks is None:
                 if self.running[-1] is req and self.enable_chunked_prefill and n > 1:
                     # Nobody left to preempt but itself: a smaller prefill chunk needs fewer
                     # blocks (a sliding window holds the window plus the chunk).
                     n = max(1, n // 2)
-                    blocks = self.kv.allocate_slots(req, n)
+                    blocks = self._allocate_slots(req, n)
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-                blocks = self.kv.allocate_slots(req, n)
+                blocks = self._allocate_slots(req, n)
             if blocks is None:
                 break
             scheduled.append(req)
@@ -244,12 +248,12 @@ class Scheduler:
             if not self.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            blocks = self.kv.allocate_slots(req, n, hit, hit_blocks if hit else None)
+            blocks = self._allocate_slots(req, n, hit, hit_blocks if hit else None)
             while blocks is None and not self.running and self.enable_chunked_prefill and n > 1:
                 # Alone in the cache, a request whose steady state fits must run: cut the
                 # prefill chunk until its allocation fits too.
                 n = max(1, n // 2)
-                blocks = self.kv.allocate_slots(req, n, hit, hit_blocks if hit else None)
+                blocks = self._allocate_slots(req, n, hit, hit_blocks if hit else None)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -264,6 +268,14 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
             seats += need_seats
+
+    def _allocate_slots(
+        self, req: Request, n: int, hit: int = 0, hit_blocks: KVCacheBlocks | None = None
+    ) -> KVCacheBlocks | None:
+        """The KV manager's ``allocate_slots``, plus its ``num_lookahead_tokens`` when any."""
+        if k := self.num_lookahead_tokens:
+            return self.kv.allocate_slots(req, n, hit, hit_blocks, num_lookahead_tokens=k)
+        return self.kv.allocate_slots(req, n, hit, hit_blocks)
 
     def _swap_in(
         self, req: Request, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]
@@ -326,7 +338,8 @@ class Scheduler:
                 if req.record_prompt_logprobs(first, ids, lps):
                     progressed.append(req)
         logprobs = runner_output.logprobs
-        for j, (rid, token) in enumerate(
+        drafts = scheduler_output.draft_token_ids
+        for j, (rid, tokens) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             req = self.requests.get(rid)
@@ -334,15 +347,17 @@ class Scheduler:
             # (a fork parent never should): ignore rather than corrupt its tokens.
             if req is None or req.status != RequestStatus.RUNNING or req.children:
                 continue
-            if req.num_computed_tokens != req.num_tokens:
+            if req.num_computed_tokens != req.num_tokens + len(drafts.get(rid, ())) or not tokens:
                 continue
             if req.sampling_params.max_tokens == 0:
                 # Prompt only (scoring): the sample is dropped.
                 req.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
             else:
-                req.append_output_token_id(token, self.eos_token_ids, self.max_model_len)
-                if logprobs is not None and logprobs[j] is not None:
-                    req.record_logprobs(*logprobs[j])
+                lps = None if logprobs is None else logprobs[j]
+                req.append_output_token_ids(tokens, lps, self.eos_token_ids, self.max_model_len)
+                # Every appended token but the last was an input of this step, so its KV is
+                # computed; the slots of rejected drafts are not.
+                req.num_computed_tokens = req.num_tokens - 1
             progressed.append(req)
             if req.is_finished:
                 self.requests.pop(rid, None)
@@ -352,6 +367,8 @@ class Scheduler:
                 req.num_sent_tokens = 0
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
+            if req is not None:
+                req.draft_token_ids = []  # verified, or not reached: a drafter proposes anew
             if (
                 req is not None
                 and req.children

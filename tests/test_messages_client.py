@@ -132,7 +132,7 @@ class TinyExecutor:
             if row[-1] == len(row) - 1:
                 done[rid] = (row[-2] * 7 + 1) % VOCAB
         out.req_ids = list(done)
-        out.sampled_token_ids = list(done.values())
+        out.sampled_token_ids = [[t] for t in done.values()]
         return out
 
     def check_failure(self) -> None:

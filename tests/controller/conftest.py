@@ -168,7 +168,7 @@ class FakeExecutor:
                     tok = next_token(row.tokens[-1], row.params.seed, self.vocab_size)
                 row.emitted += 1
                 out.req_ids.append(rid)
-                out.sampled_token_ids.append(tok)
+                out.sampled_token_ids.append([tok])
         return out
 
 

@@ -139,7 +139,7 @@ def test_logprobs_are_recorded(kit):
     class LogprobExecutor(kit.FakeExecutor):
         def execute(self, so):
             out = super().execute(so)
-            out.logprobs = [([t, 1], [-0.5, -1.0]) for t in out.sampled_token_ids]
+            out.logprobs = [[([t, 1], [-0.5, -1.0])] for (t,) in out.sampled_token_ids]
             return out
 
     eng = kit.make_engine(executor=LogprobExecutor())
@@ -177,7 +177,7 @@ class _EchoWorker:
     def execute(self, so):
         self.seen.append(so)
         ids = [nr.req_id for nr in so.new_reqs] + list(so.cached_reqs.req_ids)
-        return ModelRunnerOutput(so.step_id, ids, [1] * len(ids))
+        return ModelRunnerOutput(so.step_id, ids, [[1]] * len(ids))
 
     def shutdown(self):
         self.closed = True

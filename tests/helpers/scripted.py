@@ -80,7 +80,7 @@ class ScriptedExecutor:
                 self.failed = True
                 raise WorkerGroupError(1, "node-scripted", "the worker actor died")
             out.req_ids.append(rid)
-            out.sampled_token_ids.append(next_token(row[-1]))
+            out.sampled_token_ids.append([next_token(row[-1])])
         return out
 
     def shutdown(self) -> None:
