@@ -182,6 +182,24 @@ class _EchoWorker:
     def shutdown(self):
         self.closed = True
 
+    def scale(self, x, *, by=1):
+        """A worker operation that nothing but this method declares."""
+        return (self.rank, x * by, len(self.seen))
+
+
+def test_collective_rpc_calls_a_worker_method_by_name():
+    cfg = from_flat(block_size=4)
+    eng = drive(EngineCore(cfg, LocalExecutor(lambda: _EchoWorker(cfg))))
+    assert eng.executor.collective_rpc("scale", (3,), {"by": 2}) == [(0, 6, 0)]
+    eng.add_request("a", [3, 4, 5], SamplingParams(max_tokens=2))
+    while eng.has_unfinished():
+        eng.step()
+    # Between steps, on the same worker the steps ran on; its own errors come back as they are.
+    assert eng.executor.collective_rpc("scale", (1,)) == [(0, 1, 2)]
+    with pytest.raises(AttributeError):
+        eng.executor.collective_rpc("no_such_operation")
+    eng.shutdown()
+
 
 def test_local_executor_runs_the_worker_its_factory_makes_and_rebuilds_it():
     cfg = from_flat(block_size=4)

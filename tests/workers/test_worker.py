@@ -204,3 +204,15 @@ def test_min_tokens_masks_stop_tokens(llama, hf_llama):
     with torch.no_grad():
         nxt = hf_llama(torch.tensor([PROMPT + [top[1]]])).logits[0, -1].argmax().item()
     assert out.sampled_token_ids == [[nxt]]
+
+
+def test_collective_rpc_reaches_worker_methods_in_process(llama):
+    from pagedserve.controller.executor import LocalExecutor
+
+    ex = LocalExecutor(lambda: worker_for(llama, layout_blocks=16))
+    ex.initialize()  # worker_for already loaded the model and allocated 16 blocks
+    info = ex.collective_rpc("rank_info")
+    assert info == [{"rank": 0, "tp": [0, 1], "dcp": [0, 1], "device": "cpu", "num_kv_blocks": 16}]
+    ex.init_kv_cache(KVCacheLayout(24, B, [[0, 1]]))  # set-up calls take the same path
+    assert ex.collective_rpc("rank_info")[0]["num_kv_blocks"] == 24
+    ex.shutdown()
