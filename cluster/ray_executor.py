@@ -159,15 +159,9 @@ class RayExecutor:
         self._raise_if_failed()
         return self._rpc(self._actors, method, args, kwargs)
 
-    def _rpc(
-        self,
-        actors: list[Any],
-        method: str,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        # Once the step loops run they hold the actors' default thread.
-        group = "rpc" if self._channel is not None else None
+    def _rpc(self, actors: list[Any], method: str, args: Sequence[Any] = (),
+             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        group = "rpc" if self._channel is not None else None  # the loops hold the default one
         refs = [
             a.collective_rpc.options(concurrency_group=group).remote(method, args, kwargs)
             for a in actors

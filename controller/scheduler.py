@@ -1,12 +1,13 @@
 """The scheduler: one token budget, running requests first, then waiting ones.
 
 There are no prefill or decode phases. Every request catches ``num_computed_tokens`` up to its
-``compute_limit`` (normally ``num_tokens``); a long prompt simply takes several steps (chunked
-prefill) and a generating request needs one token per step. When the KV cache is full the
-newest running request is preempted and nothing new is admitted that step: by recompute (its
-blocks are freed, it starts over, usually finding most of them in the prefix cache) or, with
-``preemption_mode="swap"``, by swapping its blocks to the host tier and back when it resumes
-(recompute when the host tier is full).
+``compute_limit`` (``num_tokens``, plus drafts to verify); a long prompt simply takes several
+steps (chunked prefill) and a generating request needs one token per step (and one per draft,
+which may bring it several). When the KV cache is full the newest running request is
+preempted and nothing new is admitted that step: by recompute (its blocks are freed, it starts
+over, usually finding most of them in the prefix cache) or, with ``preemption_mode="swap"``,
+by swapping its blocks to the host tier and back when it resumes (recompute when the host tier
+is full).
 
 Parallel sampling (``n > 1``) forks: a *fork parent* computes the prompt minus its last token,
 then ``n`` children share all its blocks (kv's copy-on-write ``fork``). Each child computes the

@@ -94,7 +94,9 @@ class ModelRunner:
         seq_lens = start + counts
         # [R] drafts written after each row's known tokens: they end its chunk when it samples
         drafts = so.draft_token_ids
-        num_drafts = np.asarray([len(drafts.get(rid, ())) for rid in rids], dtype=np.int64)
+        num_drafts = np.zeros(len(rows), dtype=np.int64)
+        if drafts:
+            num_drafts[:] = [len(drafts.get(rid, ())) for rid in rids]
         known = batch.num_tokens[rows_np] + num_drafts
         if (seq_lens > known).any():
             raise ValueError("scheduled tokens past the end of a request's known tokens")
