@@ -178,6 +178,10 @@ class SchedulerOutput:
     blocks_to_device: list[tuple[int, int]] = field(default_factory=list)
     """Host-tier ``(host src, device dst)`` copies (swap-ins, host prefix hits); run after
     ``blocks_to_host`` and before ``block_copies`` and the forward pass."""
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative tokens to verify, per request that has any: they follow its known tokens
+    and count in its ``num_scheduled_tokens``; the worker samples every one of their positions
+    (plus the last known token's) and returns the accepted ones. Empty without a drafter."""
 
 
 @dataclass(slots=True)
@@ -186,9 +190,13 @@ class ModelRunnerOutput:
 
     step_id: int
     req_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[list[int], list[float]] | None] | None = None
-    """Per request: token ids ``[sampled, top_1, ..., top_N]`` and their log-probabilities."""
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    """Per request, the tokens it accepted this step, in order: one without drafts; with
+    ``k`` drafts, the drafts that matched the model's own samples and then one more sample
+    (1 to ``k + 1`` tokens)."""
+    logprobs: list[list[tuple[list[int], list[float]]] | None] | None = None
+    """Per request (None: not asked for), per accepted token: token ids ``[sampled, top_1, ...,
+    top_N]`` and their log-probabilities."""
     prompt_logprobs: dict[str, tuple[int, list[list[int]], list[list[float]]]] | None = None
     """Requests that asked for prompt logprobs and computed prompt tokens this step (sampling
     or not): ``(first, ids, logprobs)``, where row ``i`` is prompt position ``first + i`` (>= 1):
@@ -259,7 +267,7 @@ class StepFrame:
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
-    VERSION = 3
+    VERSION = 4
     HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
     STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
     STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop

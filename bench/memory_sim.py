@@ -261,13 +261,13 @@ def simulate(cfg: SimConfig, progress: Callable[[int], None] | None = None) -> S
 
         # --- the executor: nothing computed, one made-up token per finished sequence ---
         req_ids: list[str] = []
-        toks: list[int] = []
+        toks: list[list[int]] = []
         for rid in out.num_scheduled_tokens:
             r = sched.requests.get(rid)
             if r is None or r.children or r.num_computed_tokens != r.num_tokens:
                 continue
             req_ids.append(rid)
-            toks.append(10 + (r.index * 7919 + r.num_tokens * 104729) % 29990)
+            toks.append([10 + (r.index * 7919 + r.num_tokens * 104729) % 29990])
         for r in sched.update_from_output(out, ModelRunnerOutput(out.step_id, req_ids, toks)):
             if r.is_finished:
                 num_finished += 1

@@ -82,7 +82,7 @@ class InstantExecutor:
         t0 = self.clock()
         ids = list(scheduler_output.num_scheduled_tokens)
         hi = self.vocab_size - 1
-        tokens = [self.rng.randint(FIRST_TOKEN, hi) for _ in ids]
+        tokens = [[self.rng.randint(FIRST_TOKEN, hi)] for _ in ids]
         emitted = self.emitted
         for rid in ids:
             emitted[rid] = emitted.get(rid, 0) + 1

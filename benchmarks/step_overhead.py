@@ -63,7 +63,7 @@ def decode_step(step_id: int, num_reqs: int = NUM_REQS) -> SchedulerOutput:
 
 def output_for(step: SchedulerOutput) -> ModelRunnerOutput:
     ids = step.cached_reqs.req_ids
-    tokens = [(step.step_id * 17 + i) % 32000 for i in range(len(ids))]
+    tokens = [[(step.step_id * 17 + i) % 32000] for i in range(len(ids))]
     return ModelRunnerOutput(step.step_id, list(ids), tokens)
 
 

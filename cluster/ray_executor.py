@@ -16,6 +16,10 @@ short slices, checking between them whether a rank's ``run`` ref has finished (a
 is noticed in about a second); a monitor does the same between steps. A failure becomes one
 ``WorkerGroupError`` naming the root-cause rank and node; the group is killed at once.
 
+Every other call into the workers is ``collective_rpc``: one generic actor method that calls the
+``Worker`` method of that name on each rank (on the actors' default thread during the build, on
+their ``rpc`` thread once the step loops hold the default one).
+
 Ray must be initialised by the caller (``cluster.launch.ensure_ray`` helps). Every wait is bounded.
 """
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -108,7 +112,7 @@ class RayExecutor:
     def init_kv_cache(self, layout: KVCacheLayout) -> None:
         self._layout = layout
         try:
-            self._gather([a.init_kv_cache.remote(layout) for a in self._actors], "init_kv_cache")
+            self._rpc(self._actors, "init_kv_cache", (layout,))
             self._start_loops()
         except BaseException:
             self._teardown()
@@ -147,6 +151,23 @@ class RayExecutor:
             except BadFrameError:
                 logger.warning("dropped a malformed reply frame", exc_info=True)
 
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``Worker.<method>(*args, **kwargs)`` on every rank, between steps; results by rank.
+        A rank's failure raises ``WorkerGroupError`` naming it (its exception is the cause)."""
+        self._raise_if_failed()
+        return self._rpc(self._actors, method, args, kwargs)
+
+    def _rpc(self, actors: list[Any], method: str, args: Sequence[Any] = (),
+             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        group = "rpc" if self._channel is not None else None  # the loops hold the default one
+        refs = [
+            a.collective_rpc.options(concurrency_group=group).remote(method, args, kwargs)
+            for a in actors
+        ]
+        return self._gather(refs, method)
+
     def shutdown(self) -> None:
         """Stop the loops, kill every rank, close the channel. Idempotent."""
         if self._closed:
@@ -183,9 +204,7 @@ class RayExecutor:
         try:
             report = self._build()
             if self._layout is not None:
-                self._gather(
-                    [a.init_kv_cache.remote(self._layout) for a in self._actors], "init_kv_cache"
-                )
+                self._rpc(self._actors, "init_kv_cache", (self._layout,))
                 self._start_loops()
             return report
         except BaseException:
@@ -283,8 +302,7 @@ class RayExecutor:
         warn_if_split(self._rank_nodes, self.config.parallel.placement_strategy)
         if self.world_size > 1:
             self._init_distributed(infos)
-        reports = self._gather([a.load_model.remote() for a in self._actors], "load_model")
-        report: WorkerReport = reports[OUTPUT_RANK]
+        report: WorkerReport = self._rpc(self._actors, "load_model")[OUTPUT_RANK]
         return report
 
     def _init_distributed(self, infos: list[dict[str, Any]]) -> None:
@@ -292,7 +310,7 @@ class RayExecutor:
         # each rank binds its collectives to the interface of its own node IP.
         one_node = len({i["node_id"] for i in infos}) == 1
         host = "127.0.0.1" if one_node else infos[0]["node_ip"]
-        (port,) = self._gather([self._actors[0].open_store.remote(host)], "open_store")
+        (port,) = self._rpc(self._actors[:1], "open_store", (host,))
         refs = [a.init_distributed.remote(host, port, one_node) for a in self._actors]
         self._gather(refs, "init_distributed")
 

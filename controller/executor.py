@@ -4,11 +4,15 @@ The engine core talks to an ``Executor`` only. ``LocalExecutor`` runs one worker
 made by a factory the composition root (``pagedserve.builder``) hands it, so nothing here names
 the workers; the Ray executor (``cluster/ray_executor.py``) fans the same calls out to worker
 actors.
+
+Besides the step (``execute``, the hot path, with a transport of its own), every call into the
+workers is ``collective_rpc(method, args, kwargs)``: a public method of the worker class, called
+by name on every rank. A new worker operation is one method there and nothing here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from pagedserve.messages import KVCacheLayout, ModelRunnerOutput, SchedulerOutput, WorkerReport
@@ -56,6 +60,13 @@ class Executor(Protocol):
         ``WorkerGroupError`` when the group failed."""
         ...
 
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call the worker's ``method(*args, **kwargs)`` on every rank, between steps (never
+        during one); returns the results by rank."""
+        ...
+
     def check_failure(self) -> WorkerGroupError | None:
         """A failure found between steps (a rank died while idle), else None."""
         ...
@@ -68,7 +79,8 @@ class Executor(Protocol):
 
 
 class WorkerLike(Protocol):
-    """What ``LocalExecutor`` needs of a worker (``workers.worker.Worker`` is one)."""
+    """What ``LocalExecutor`` needs of a worker (``workers.worker.Worker`` is one): the step,
+    and these set-up methods, which it reaches by name like any other."""
 
     def load_model(self) -> WorkerReport: ...
 
@@ -89,11 +101,18 @@ class LocalExecutor:
 
     def initialize(self) -> WorkerReport:
         self._worker = self._make_worker()
-        return self._worker.load_model()
+        report: WorkerReport = self.collective_rpc("load_model")[0]
+        return report
 
     def init_kv_cache(self, layout: KVCacheLayout) -> None:
         self._layout = layout
-        self._require_worker().init_kv_cache(layout)
+        self.collective_rpc("init_kv_cache", (layout,))
+
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """The worker's own result, or its own exception (nothing is wrapped in process)."""
+        return [getattr(self._require_worker(), method)(*args, **(kwargs or {}))]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         worker = self._require_worker()
@@ -111,12 +130,12 @@ class LocalExecutor:
         self.shutdown()
         report = self.initialize()
         if self._layout is not None:
-            self._require_worker().init_kv_cache(self._layout)
+            self.collective_rpc("init_kv_cache", (self._layout,))
         return report
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.shutdown()
+            self.collective_rpc("shutdown")
             self._worker = None
 
     def _require_worker(self) -> WorkerLike:

@@ -103,6 +103,9 @@ class Request:
         with its children: the prompt's logprobs belong to the user request, once."""
         for child in self.children:
             child.prompt_logprobs = self.prompt_logprobs
+        self.draft_token_ids: list[int] = []
+        """Speculative tokens after ``all_token_ids`` for the next step to verify (set by a
+        drafter between steps; none exists yet). Never hashed: they are not the sequence's."""
         self.num_sent_tokens = 0
         """How many of ``all_token_ids`` the workers hold; 0 while they do not know the request
         (never scheduled, or dropped on preemption)."""
@@ -130,8 +133,9 @@ class Request:
 
     @property
     def compute_limit(self) -> int:
-        """The token count the scheduler catches ``num_computed_tokens`` up to."""
-        return self.num_tokens - 1 if self.children else self.num_tokens
+        """The token count the scheduler catches ``num_computed_tokens`` up to: the known
+        tokens (a fork parent's but the last) and the drafts after them."""
+        return self.num_tokens - 1 if self.children else self.num_tokens + len(self.draft_token_ids)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -195,6 +199,23 @@ class Request:
             params.max_tokens is not None and self.num_output_tokens >= params.max_tokens
         ) or self.num_tokens >= max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def append_output_token_ids(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[tuple[Sequence[int], Sequence[float]]] | None,
+        eos_token_ids: Collection[int],
+        max_model_len: int,
+    ) -> None:
+        """Append one step's accepted tokens (with their logprobs, if asked for) in order,
+        checking the stop conditions after each: the tokens after the one that finishes the
+        request are dropped, as if never sampled."""
+        for i, token_id in enumerate(token_ids):
+            self.append_output_token_id(token_id, eos_token_ids, max_model_len)
+            if logprobs is not None:
+                self.record_logprobs(*logprobs[i])
+            if self.is_finished:
+                return
 
     def record_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
         """Keep the worker's ``[sampled, top_1, ...]`` log-probabilities, if they were asked for."""

@@ -1,12 +1,13 @@
 """The scheduler: one token budget, running requests first, then waiting ones.
 
 There are no prefill or decode phases. Every request catches ``num_computed_tokens`` up to its
-``compute_limit`` (normally ``num_tokens``); a long prompt simply takes several steps (chunked
-prefill) and a generating request needs one token per step. When the KV cache is full the
-newest running request is preempted and nothing new is admitted that step: by recompute (its
-blocks are freed, it starts over, usually finding most of them in the prefix cache) or, with
-``preemption_mode="swap"``, by swapping its blocks to the host tier and back when it resumes
-(recompute when the host tier is full).
+``compute_limit`` (``num_tokens``, plus drafts to verify); a long prompt simply takes several
+steps (chunked prefill) and a generating request needs one token per step (and one per draft,
+which may bring it several). When the KV cache is full the newest running request is
+preempted and nothing new is admitted that step: by recompute (its blocks are freed, it starts
+over, usually finding most of them in the prefix cache) or, with ``preemption_mode="swap"``,
+by swapping its blocks to the host tier and back when it resumes (recompute when the host tier
+is full).
 
 Parallel sampling (``n > 1``) forks: a *fork parent* computes the prompt minus its last token,
 then ``n`` children share all its blocks (kv's copy-on-write ``fork``). Each child computes the
@@ -87,6 +88,7 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
+        num_lookahead_tokens: int = 0,
     ) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}")
@@ -97,6 +99,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
+        self.num_lookahead_tokens = num_lookahead_tokens
+        """Slots reserved past each scheduled chunk for drafts proposed after the step (a
+        drafter on the workers); 0 without one."""
         self.requests: dict[str, Request] = {}
         """Every live request, unforked children included."""
         self.waiting: deque[Request] = deque()
@@ -187,7 +192,7 @@ class Scheduler:
             while True:
                 # With nobody left to preempt but itself, it tries a smaller chunk first.
                 alone = self.running[-1] is req and self.enable_chunked_prefill
-                n, blocks = _fit_chunk(self.kv.allocate_slots, req, n, alone)
+                n, blocks = _fit_chunk(self._allocate_slots, req, n, alone)
                 if blocks is not None:
                     break
                 victim = self.running.pop()
@@ -257,7 +262,7 @@ class Scheduler:
             # Alone in the cache, a request whose steady state fits must run: its chunk shrinks.
             shrink = not self.running and self.enable_chunked_prefill
             cached = (hit, hit_blocks if hit else None)
-            n, blocks = _fit_chunk(self.kv.allocate_slots, req, min(n, budget), shrink, *cached)
+            n, blocks = _fit_chunk(self._allocate_slots, req, min(n, budget), shrink, *cached)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -272,6 +277,14 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
             seats += need_seats
+
+    def _allocate_slots(
+        self, req: Request, n: int, hit: int = 0, hit_blocks: KVCacheBlocks | None = None
+    ) -> KVCacheBlocks | None:
+        """The KV manager's ``allocate_slots``, plus its ``num_lookahead_tokens`` when any."""
+        if k := self.num_lookahead_tokens:
+            return self.kv.allocate_slots(req, n, hit, hit_blocks, num_lookahead_tokens=k)
+        return self.kv.allocate_slots(req, n, hit, hit_blocks)
 
     def _swap_in(
         self, req: Request, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]
@@ -331,7 +344,8 @@ class Scheduler:
                 if req.record_prompt_logprobs(first, ids, lps):
                     progressed.append(req)
         logprobs = runner_output.logprobs
-        for j, (rid, token) in enumerate(
+        drafts = scheduler_output.draft_token_ids
+        for j, (rid, tokens) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             req = self.requests.get(rid)
@@ -339,15 +353,17 @@ class Scheduler:
             # (a fork parent never should): ignore rather than corrupt its tokens.
             if req is None or req.status != RequestStatus.RUNNING or req.children:
                 continue
-            if req.num_computed_tokens != req.num_tokens:
+            if req.num_computed_tokens != req.num_tokens + len(drafts.get(rid, ())) or not tokens:
                 continue
             if req.sampling_params.max_tokens == 0:
                 # Prompt only (scoring): the sample is dropped.
                 req.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
             else:
-                req.append_output_token_id(token, self.eos_token_ids, self.max_model_len)
-                if logprobs is not None and logprobs[j] is not None:
-                    req.record_logprobs(*logprobs[j])
+                lps = None if logprobs is None else logprobs[j]
+                req.append_output_token_ids(tokens, lps, self.eos_token_ids, self.max_model_len)
+                # Every appended token but the last was an input of this step, so its KV is
+                # computed; the slots of rejected drafts are not.
+                req.num_computed_tokens = req.num_tokens - 1
             progressed.append(req)
             if req.is_finished:
                 self.requests.pop(rid, None)
@@ -357,6 +373,8 @@ class Scheduler:
                 req.num_sent_tokens = 0
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
+            if req is not None:
+                req.draft_token_ids = []  # verified, or not reached: a drafter proposes anew
             if (
                 req is not None
                 and req.children

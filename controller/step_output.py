@@ -56,6 +56,10 @@ def build_output(
             )
             cached.num_computed_tokens.append(req.num_computed_tokens)
         req.num_sent_tokens = req.num_tokens
+        # The drafts this step reaches (a chunk cut by the budget may reach only some).
+        num_drafts = req.num_computed_tokens + num_scheduled[rid] - req.num_tokens
+        if req.draft_token_ids and num_drafts > 0:
+            out.draft_token_ids[rid] = req.draft_token_ids[:num_drafts]
     out.num_scheduled_tokens = num_scheduled
     out.total_num_scheduled_tokens = sum(num_scheduled.values())
     if out.total_num_scheduled_tokens:

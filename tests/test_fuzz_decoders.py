@@ -41,7 +41,7 @@ VALID = [
         3, [NewRequestData("a", [1, 2], [], SamplingParams(), [[1, 2]], 0)],
         CachedRequestData(["b"], [[4]], [None], [7]), {"a": 2, "b": 1}, 3, ["c"], [[1, 2]],
     ),
-    ModelRunnerOutput(3, ["a"], [9], [[[9, 4], [-0.1, -2.0]]]),
+    ModelRunnerOutput(3, ["a", "b"], [[9], [5, 6, 7]], [[[[9, 4], [-0.1, -2.0]]], None]),
 ]
 MESSAGE_TYPES = tuple({type(m) for m in VALID})
 RUNS = {"random": 0, "mutated": 0, "auth": 0}

@@ -51,15 +51,38 @@ def test_round_trip_every_field() -> None:
     assert back.cached_reqs == out.cached_reqs
     assert back.num_scheduled_tokens == out.num_scheduled_tokens
     assert [tuple(c) for c in back.block_copies] == [(3, 4)]
-    mro = ModelRunnerOutput(3, ["a"], [42], [([42, 7], [-0.1, -2.5])])
+    mro = ModelRunnerOutput(3, ["a"], [[42]], [[([42, 7], [-0.1, -2.5])]])
     back_mro = decode(encode(mro))
-    assert back_mro.req_ids == ["a"] and back_mro.sampled_token_ids == [42]
-    assert [list(x) for x in back_mro.logprobs[0]] == [[42, 7], [-0.1, -2.5]]
+    assert back_mro.req_ids == ["a"] and back_mro.sampled_token_ids == [[42]]
+    assert [list(x) for x in back_mro.logprobs[0][0]] == [[42, 7], [-0.1, -2.5]]
     mro.prompt_logprobs = {"a": (1, [[2, 9], [3, 9]], [[-1.5, -0.5], [-2.0, -0.5]])}
     first, ids, lps = decode(encode(mro)).prompt_logprobs["a"]
     assert (first, ids, lps) == (1, [[2, 9], [3, 9]], [[-1.5, -0.5], [-2.0, -0.5]])
     delta = RequestDelta("r", [], prompt_logprobs=[None, {2: -1.5, 9: -0.5}])
     assert decode(encode(delta)).prompt_logprobs == [None, {2: -1.5, 9: -0.5}]
+
+
+def test_accepted_token_lists_and_drafts_round_trip() -> None:
+    # A step that verified drafts: per request 1 to k + 1 accepted tokens, a logprob entry per
+    # accepted token, and the drafts it verified in the scheduler's message.
+    out = SchedulerOutput(
+        step_id=4,
+        cached_reqs=CachedRequestData(["a", "b"], [[1], [2]], [None, None], [10, 20]),
+        num_scheduled_tokens={"a": 4, "b": 1},
+        total_num_scheduled_tokens=5,
+        draft_token_ids={"a": [7, 8, 9]},
+    )
+    back = decode(encode(out))
+    assert back.draft_token_ids == {"a": [7, 8, 9]}
+    assert decode(encode(SchedulerOutput(5))).draft_token_ids == {}
+    lps = [([7, 3], [-0.2, -1.9]), ([8, 8], [-0.1, -0.1]), ([4, 4], [-0.3, -0.3])]
+    mro = ModelRunnerOutput(4, ["a", "b"], [[7, 8, 4], [5]], [lps, None])
+    back_mro = decode(encode(mro))
+    assert back_mro.sampled_token_ids == [[7, 8, 4], [5]]
+    assert back_mro.logprobs[1] is None
+    assert [[list(x) for x in entry] for entry in back_mro.logprobs[0]] == [
+        [list(i), list(v)] for i, v in lps
+    ]
 
 
 def test_decode_step_of_256_requests_is_small() -> None:

@@ -56,9 +56,15 @@ def _decode_step(step_id: int, n: int = 256) -> SchedulerOutput:
 
 
 def _output_for(step: SchedulerOutput) -> ModelRunnerOutput:
+    """One token per request, and 1 to 4 for every 8th (accepted drafts): variable counts."""
     ids = step.cached_reqs.req_ids
     return ModelRunnerOutput(
-        step.step_id, list(ids), [(step.step_id + i) % 32000 for i in range(len(ids))]
+        step.step_id,
+        list(ids),
+        [
+            [(step.step_id + i + j) % 32000 for j in range(1 + (i // 8) % 4 if i % 8 == 0 else 1)]
+            for i in range(len(ids))
+        ],
     )
 
 
@@ -381,12 +387,12 @@ def test_a_strangers_well_formed_frames_change_nothing(group) -> None:
         stranger.connect(chan.reply_endpoint)
         forged = FrameAuth.new()
         chan.broadcast(_decode_step(0))
-        fake_out = ModelRunnerOutput(0, ["r0"], [12345])
+        fake_out = ModelRunnerOutput(0, ["r0"], [[12345]])
         stranger.send_multipart([b"out", encode(fake_out)])
         stranger.send_multipart(forged.seal([b"out", encode(fake_out)]))
         stranger.send_multipart([b"fail", encode([0, "x", 0, "E", "forged", ""])])
         out = chan.recv_reply(timeout_s=5)
-        assert out != fake_out and 12345 not in out.sampled_token_ids
+        assert out != fake_out and [12345] not in out.sampled_token_ids
         chan.broadcast(_decode_step(1))
         assert chan.recv_reply(timeout_s=5).step_id == 1
     finally:

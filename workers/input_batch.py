@@ -104,6 +104,15 @@ class InputBatch:
         self.token_ids[row, n : n + len(token_ids)] = token_ids
         self.num_tokens[row] = n + len(token_ids)
 
+    def write_drafts(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Put a step's draft tokens after the row's known tokens, as inputs of this step only:
+        ``num_tokens`` stays, so the next ``append_tokens`` writes the accepted ones over them."""
+        row = self.index_of[req_id]
+        n = self.num_tokens[row]
+        if n + len(token_ids) > self.max_model_len:
+            raise ValueError(f"request {req_id}: drafts exceed max_model_len {self.max_model_len}")
+        self.token_ids[row, n : n + len(token_ids)] = token_ids
+
     def remove_request(self, req_id: str) -> int | None:
         row = self.index_of.pop(req_id, None)
         if row is None:

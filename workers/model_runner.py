@@ -6,7 +6,9 @@ The runner owns the persistent ``InputBatch`` and block tables. Each step it:
 2. runs the host-tier copies (device -> host, then host -> device), then copy-on-write copies;
 3. builds positions, ``cu_seqlens_q``, ``seq_lens`` and per-group slot mappings for the rows
    with scheduled tokens;
-4. runs the model, projects only each sampling row's last hidden state to logits, samples;
+4. runs the model, projects only the sampled positions' hidden states to logits (each sampling
+   row's last one, and with ``k`` drafts the ``k`` before it too), samples, and keeps a row's
+   samples up to the first that differs from its draft at that position;
 5. for requests that asked for prompt logprobs, projects the hidden states of the prompt
    positions computed this step too, and reports each next prompt token's log-probability.
 """
@@ -66,6 +68,8 @@ class ModelRunner:
         for req in so.new_reqs:
             batch.add_request(req)
         batch.condense()
+        for rid, drafts in so.draft_token_ids.items():
+            batch.write_drafts(rid, drafts)
 
     # 2-4. the step ----------------------------------------------------------------------------
 
@@ -84,12 +88,19 @@ class ModelRunner:
         if not rows:
             return out
         rows_np = np.asarray(rows, dtype=np.int64)
-        counts = np.asarray([so.num_scheduled_tokens[batch.req_ids[r]] for r in rows])
+        rids: list[str] = [batch.req_ids[r] for r in rows]  # type: ignore[misc]
+        counts = np.asarray([so.num_scheduled_tokens[rid] for rid in rids])
         start = batch.num_computed_tokens[rows_np]
         seq_lens = start + counts
-        if (seq_lens > batch.num_tokens[rows_np]).any():
+        # [R] drafts written after each row's known tokens: they end its chunk when it samples
+        drafts = so.draft_token_ids
+        num_drafts = np.zeros(len(rows), dtype=np.int64)
+        if drafts:
+            num_drafts[:] = [len(drafts.get(rid, ())) for rid in rids]
+        known = batch.num_tokens[rows_np] + num_drafts
+        if (seq_lens > known).any():
             raise ValueError("scheduled tokens past the end of a request's known tokens")
-        sample_mask = seq_lens == batch.num_tokens[rows_np]
+        sample_mask = seq_lens == known
 
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
@@ -125,10 +136,15 @@ class ModelRunner:
                 # pinned block-table buffers that this step's async copies read from.
                 torch.cuda.current_stream(self.device).synchronize()
             return out
-        last = to_dev(cu[1:][sample_mask] - 1)
-        logits = self.model.compute_logits(hidden.index_select(0, last))  # [N, V]
-        result = self.sampler(logits, self._sampling_metadata(sample_rows))
-        return self._output(out, sample_rows, result)
+        # Each sampling row samples its last 1 + k positions (k drafts); n_per_row: [N].
+        n_per_row = num_drafts[sample_mask] + 1
+        flat = sample_positions(cu[1:][sample_mask] - 1, n_per_row)  # [M] into hidden
+        logits = self.model.compute_logits(hidden.index_select(0, to_dev(flat)))  # [M, V]
+        # Sample j of a row sees j more output tokens (its drafts) than the row holds.
+        offsets = np.arange(len(flat)) - np.repeat(np.cumsum(n_per_row) - n_per_row, n_per_row)
+        expanded = np.repeat(sample_rows, n_per_row)  # [M] batch row of each sample
+        result = self.sampler(logits, self._sampling_metadata(expanded, offsets))
+        return self._output(out, sample_rows, n_per_row, drafts, result)
 
     def _prompt_logprobs(
         self,
@@ -193,7 +209,8 @@ class ModelRunner:
     def _to_device(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray) -> SamplingMetadata:
+        """Per sample: its batch row and how many drafts precede its position in that row."""
         b = self.batch
         col = {k: torch.from_numpy(v[rows]).to(self.device) for k, v in b.columns.items()}
         params = [b.params[r] for r in rows]
@@ -210,22 +227,25 @@ class ModelRunner:
             | (col["presence_penalty"] != 0.0)
             | (col["frequency_penalty"] != 0.0)
         )
-        md.banned = self._banned_stop_tokens(rows)
+        ends = b.num_tokens[rows] + offsets  # [M] tokens before each sampled one
+        md.banned = self._banned_stop_tokens(rows, ends)
         if bool(uses_penalties.any()):
             md.repetition_penalty = col["repetition_penalty"]
             md.presence_penalty = col["presence_penalty"]
             md.frequency_penalty = col["frequency_penalty"]
-            md.prompt_tokens = self._padded(rows, 0)
-            md.output_tokens = self._padded(rows, 1)
+            md.prompt_tokens = self._padded(rows, 0, ends)
+            md.output_tokens = self._padded(rows, 1, ends)
         return md
 
-    def _banned_stop_tokens(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Stop tokens (and EOS unless ignored) of rows still short of ``min_tokens``."""
+    def _banned_stop_tokens(
+        self, rows: np.ndarray, ends: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Stop tokens (and EOS unless ignored) of samples still short of ``min_tokens``."""
         b = self.batch
         pairs: list[tuple[int, int]] = []
         for i, r in enumerate(rows):
             p = b.params[r]
-            if p is None or p.min_tokens <= b.num_tokens[r] - b.num_prompt_tokens[r]:
+            if p is None or p.min_tokens <= ends[i] - b.num_prompt_tokens[r]:
                 continue
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             pairs.extend((i, t) for t in stops if 0 <= t < b.vocab_size)
@@ -234,11 +254,12 @@ class ModelRunner:
         idx = self._to_device(np.asarray(pairs, dtype=np.int64))
         return idx[:, 0], idx[:, 1]
 
-    def _padded(self, rows: np.ndarray, part: int) -> torch.Tensor:
-        """Prompt (part 0) or output (part 1) tokens of each row, padded with vocab_size."""
+    def _padded(self, rows: np.ndarray, part: int, ends: np.ndarray) -> torch.Tensor:
+        """Prompt (part 0) or output (part 1, up to ``ends``) tokens of each row, padded with
+        vocab_size."""
         b = self.batch
         lo = np.zeros(len(rows), dtype=np.int64) if part == 0 else b.num_prompt_tokens[rows]
-        hi = b.num_prompt_tokens[rows] if part == 0 else b.num_tokens[rows]
+        hi = b.num_prompt_tokens[rows] if part == 0 else ends
         width = max(1, int((hi - lo).max()))
         idx = lo[:, None] + np.arange(width)[None, :]  # [N, width]
         valid = idx < hi[:, None]
@@ -246,16 +267,46 @@ class ModelRunner:
         return self._to_device(np.where(valid, toks, b.vocab_size))
 
     def _output(
-        self, out: ModelRunnerOutput, rows: np.ndarray, result: SamplerOutput
+        self,
+        out: ModelRunnerOutput,
+        rows: np.ndarray,
+        n_per_row: np.ndarray,
+        drafts: dict[str, list[int]],
+        result: SamplerOutput,
     ) -> ModelRunnerOutput:
+        """Per row, its samples up to and including the first that is not its draft at that
+        position: a draft the model would itself have produced is accepted, and the sample
+        after the accepted ones is the step's new token."""
         b = self.batch
         out.req_ids = [b.req_ids[r] for r in rows]  # type: ignore[misc]
-        out.sampled_token_ids = result.sampled.tolist()
+        sampled = result.sampled.tolist()  # [M]
+        ids = lps = None
         if result.logprob_ids is not None and result.logprobs is not None:
-            ids, lps = result.logprob_ids.tolist(), result.logprobs.tolist()
+            ids, lps = result.logprob_ids.tolist(), result.logprobs.tolist()  # [M, 1 + k]
             out.logprobs = []
-            for i, r in enumerate(rows):
+        at = 0
+        for rid, r, n in zip(out.req_ids, rows, n_per_row.tolist(), strict=True):
+            accepted = 1
+            if n > 1:
+                proposed = drafts[rid]
+                while accepted < n and sampled[at + accepted - 1] == proposed[accepted - 1]:
+                    accepted += 1
+            out.sampled_token_ids.append(sampled[at : at + accepted])
+            if out.logprobs is not None:
                 p = b.params[r]
-                n = None if p is None else p.logprobs
-                out.logprobs.append(None if n is None else (ids[i][: 1 + n], lps[i][: 1 + n]))
+                k = None if p is None else p.logprobs
+                out.logprobs.append(
+                    None if k is None or ids is None or lps is None
+                    else [(ids[i][: 1 + k], lps[i][: 1 + k]) for i in range(at, at + accepted)]
+                )
+            at += n
         return out
+
+
+def sample_positions(last: np.ndarray, n_per_row: np.ndarray) -> np.ndarray:
+    """Flat token indices of the sampled positions: the ``n`` positions ending at ``last``, per
+    row, in order. ``last``, ``n_per_row``: [N] -> [sum(n_per_row)]."""
+    if (n_per_row == 1).all():
+        return last
+    starts = np.cumsum(n_per_row) - n_per_row  # [N] first sample of each row
+    return np.repeat(last - n_per_row + 1 - starts, n_per_row) + np.arange(n_per_row.sum())

@@ -1,8 +1,9 @@
 """The worker actor: a thin Ray wrapper around one rank's ``Worker``.
 
 The executor creates one actor per rank inside its placement group, drives the set-up calls
-(``node_info``, ``open_store``, ``init_distributed``, ``load_model``, ``init_kv_cache``) and then
-starts ``run``, the rank's step loop over the ZeroMQ step channel. ``run`` never returns while
+(``node_info``, ``init_distributed``, and ``collective_rpc`` of the ``Worker``'s ``open_store``,
+``load_model``, ``init_kv_cache``) and then starts ``run``, the rank's step loop over the ZeroMQ
+step channel. ``run`` never returns while
 the rank is healthy: it returns when the controller says stop, and raises after reporting a
 failed step, so the executor watches the ``run`` refs to learn that a rank is gone.
 
@@ -12,7 +13,9 @@ failed step, so the executor watches the ``run`` refs to learn that a rank is go
   the weights are loaded and every step computes on the same thread, which keeps one OpenMP
   thread pool per process (each thread that computes gets its own pool; two would put more
   OpenMP threads than cores on the rank). ``ping``, ``stop`` and ``node_info`` answer on the
-  ``control`` thread while ``run`` is busy.
+  ``control`` thread while ``run`` is busy. ``collective_rpc`` (any ``Worker`` method, by name) runs
+  on the default thread during set-up and on the ``rpc`` thread once ``run`` holds that one,
+  under the lock each step holds, so that it never overlaps this rank's step.
 - The controller's death: Ray kills actors with their owner (these are never detached), and
   independently the loop checks, whenever no step came for ``liveness_after_s``, that the
   controller's step socket still accepts connections; if it is gone the actor exits.
@@ -35,7 +38,6 @@ from typing import Any
 import ray
 
 from pagedserve.config import EngineConfig
-from pagedserve.messages import KVCacheLayout, WorkerReport
 from pagedserve.net import parse_tcp_endpoint
 
 __all__ = ["RayWorker", "controller_reachable"]
@@ -87,7 +89,7 @@ def controller_reachable(endpoint: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-@ray.remote(max_restarts=0, concurrency_groups={"control": 1})
+@ray.remote(max_restarts=0, concurrency_groups={"control": 1, "rpc": 1})
 class RayWorker:
     """One rank. ``rank`` is fixed at creation (the executor ranks bundles before spawning)."""
 
@@ -100,6 +102,7 @@ class RayWorker:
         self.node_id = ctx.get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         self._stop = threading.Event()
+        self._step_lock = threading.Lock()  # held by each step and by each collective_rpc
         self._worker: Any = Worker(config, rank=rank)
         if self._worker.device.type == "cpu":
             from pagedserve.workers.cpu_process import share_cores
@@ -123,10 +126,6 @@ class RayWorker:
             "niceness": os.nice(0),
         }
 
-    def open_store(self, host: str) -> int:
-        """Rank 0: open the rendezvous store on ``host``, port 0; returns the port."""
-        return int(self._worker.open_store(host))
-
     def init_distributed(
         self, master_addr: str | None, master_port: int | None, one_host: bool = False
     ) -> None:
@@ -140,15 +139,13 @@ class RayWorker:
         else:
             self._worker.init_distributed(master_addr, master_port, bind_address=bind, node=where)
 
-    def load_model(self) -> WorkerReport:
-        report: WorkerReport = self._worker.load_model()
-        return report
-
-    def init_kv_cache(self, layout: KVCacheLayout) -> None:
-        self._worker.init_kv_cache(layout)
-
-    def shutdown(self) -> None:
-        self._worker.shutdown()
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """This rank's ``Worker.<method>(*args, **kwargs)``; never during one of its steps."""
+        with self._step_lock:
+            self._bind_device()
+            return getattr(self._worker, method)(*args, **(kwargs or {}))
 
     # -- control (answers while run() is busy) -------------------------------------------------
 
@@ -208,7 +205,8 @@ class RayWorker:
                     continue
                 idle_since = time.monotonic()
                 try:
-                    out = self._worker.execute(step)
+                    with self._step_lock:
+                        out = self._worker.execute(step)
                     if is_output_rank:
                         rx.reply(out)
                 except Exception as exc:
@@ -219,7 +217,8 @@ class RayWorker:
             rx.close()
 
     def _bind_device(self) -> None:
-        # CUDA's current device is per thread, and the loop runs on a thread other than __init__'s.
+        # CUDA's current device is per thread, and the loop (and an rpc) may run on a thread
+        # other than __init__'s.
         device = self._worker.device
         if device.type == "cuda":
             import torch

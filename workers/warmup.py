@@ -48,7 +48,7 @@ def warm_up(runner: ModelRunner, num_groups: int, block_size: int, max_model_len
     ))
     sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
     cached = CachedRequestData(
-        req_ids=ids, new_token_ids=[[sampled[r]] for r in ids],
+        req_ids=ids, new_token_ids=[sampled[r] for r in ids],
         new_block_ids=[None] * len(ids), num_computed_tokens=[prompt_len] * len(ids),
     )
     runner.execute(SchedulerOutput(

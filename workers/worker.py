@@ -8,6 +8,9 @@ A plain class, testable in-process; a Ray actor wraps it. Lifecycle::
     w.init_kv_cache(layout)            # the controller's KVCacheLayout; allocates the KV pool
     out = w.execute(scheduler_output)  # every step
     w.shutdown()
+
+Every public method is also an operation the engine can call on all ranks at once, by name
+(``Executor.collective_rpc``): a new worker operation is a method here and nothing else.
 """
 
 from __future__ import annotations
@@ -254,6 +257,17 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("init_kv_cache() must run before execute()")
         return self.runner.execute(scheduler_output)
+
+    def rank_info(self) -> dict[str, Any]:
+        """Where this rank stands: its tensor- and context-parallel ranks, device, KV pool."""
+        pool = self.runner.kv_pool.layout if self.runner is not None else None
+        return {
+            "rank": self.rank,
+            "tp": [self.parallel.rank, self.parallel.size],
+            "dcp": [self.dcp.rank, self.dcp.size],
+            "device": str(self.device),
+            "num_kv_blocks": pool.num_blocks if pool is not None else 0,
+        }
 
     def shutdown(self) -> None:
         if self.runner is not None:

@@ -21,7 +21,7 @@ def _run(num_reqs: int, prompt: int, out: int) -> Scheduler:
         so = s.schedule()
         done = [r for r in so.num_scheduled_tokens if s.requests[r].num_computed_tokens
                 == s.requests[r].num_tokens]
-        s.update_from_output(so, ModelRunnerOutput(so.step_id, done, [9] * len(done)))
+        s.update_from_output(so, ModelRunnerOutput(so.step_id, done, [[9]] * len(done)))
     return s
 
 

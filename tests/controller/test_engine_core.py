@@ -139,7 +139,7 @@ def test_logprobs_are_recorded(kit):
     class LogprobExecutor(kit.FakeExecutor):
         def execute(self, so):
             out = super().execute(so)
-            out.logprobs = [([t, 1], [-0.5, -1.0]) for t in out.sampled_token_ids]
+            out.logprobs = [[([t, 1], [-0.5, -1.0])] for (t,) in out.sampled_token_ids]
             return out
 
     eng = kit.make_engine(executor=LogprobExecutor())
@@ -152,6 +152,25 @@ def test_child_seeds():
     assert child_seed(5, 0) == 5 and child_seed(None, 3) is None
     assert child_seed(5, 1) == 5 + 1_000_003
     assert child_seed(2**63 - 1, 2) < 2**63
+
+
+def test_collective_rpc_calls_a_worker_method_by_name(kit):
+    class Scaling(kit.FakeExecutor):
+        def scale(self, x, *, by=1):
+            """A worker operation that nothing but this method declares."""
+            return (x * by, len(self.outputs))
+
+    cfg = from_flat(block_size=4)
+    eng = drive(EngineCore(cfg, LocalExecutor(lambda: Scaling(vocab_size=50, max_model_len=32))))
+    assert eng.executor.collective_rpc("scale", (3,), {"by": 2}) == [(6, 0)]
+    eng.add_request("a", [3, 4, 5], SamplingParams(max_tokens=2))
+    while eng.has_unfinished():
+        eng.step()
+    # Between steps, on the same worker the steps ran on; its own errors come back as they are.
+    assert eng.executor.collective_rpc("scale", (1,)) == [(1, 2)]
+    with pytest.raises(AttributeError):
+        eng.executor.collective_rpc("no_such_operation")
+    eng.shutdown()
 
 
 def test_local_executor_runs_the_worker_its_factory_makes_and_rebuilds_it(kit):

@@ -171,6 +171,13 @@ def test_tp2_matches_tp1_and_transformers(ray_local, ckpt_root, request):
     assert [i["torch_threads"] for i in infos] == [max(1, usable_cpus() // 2)] * 2
     # The local instance starts its workers at normal priority (Ray's default is nice 15).
     assert [i["niceness"] for i in infos] == [0, 0]
+    # A worker operation is the Worker's method alone: called on every rank by name, also while
+    # the step loops run, and the steps go on after it.
+    ranks = engine.executor.collective_rpc("rank_info")
+    assert [(i["rank"], i["tp"]) for i in ranks] == [(0, [0, 2]), (1, [1, 2])]
+    assert _generate(engine, PROMPTS[:1], prefix="after-rpc") == expected[:1]
+    with pytest.raises(WorkerGroupError, match="no_such_operation"):
+        engine.executor.collective_rpc("no_such_operation")
 
 
 def test_tp4_with_four_kv_heads(ray_local, ckpt_root, request):

@@ -191,7 +191,7 @@ class FakeExecutor:
                 tok = self.sample(rid, row)
                 row.emitted += 1
                 out.req_ids.append(rid)
-                out.sampled_token_ids.append(tok)
+                out.sampled_token_ids.append([tok])
         return out
 
     def sample(self, rid: str, row: Row) -> int:

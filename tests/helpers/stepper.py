@@ -120,7 +120,8 @@ class Stepper:
         out = self.worker.execute(so)
         self.outputs.append(out)
         self.step_id += 1
-        sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
+        pairs = zip(out.req_ids, out.sampled_token_ids, strict=True)
+        sampled = {rid: toks[0] for rid, toks in pairs}  # no drafts: one token each
         for rid, tok in sampled.items():
             self.reqs[rid].output.append(tok)
         return sampled

@@ -72,7 +72,7 @@ def test_partial_prefill_then_prefix_hit(llama, hf_llama, checkpoints):
     cached = CachedRequestData(["a"], [[]], [[blocks[2:]]], [5])
     out = w.execute(SchedulerOutput(1, cached_reqs=cached, num_scheduled_tokens={"a": 7}))
     expected = checkpoints.hf_greedy(hf_llama, PROMPT, 2)
-    assert out.req_ids == ["a"] and out.sampled_token_ids == [expected[0]]
+    assert out.req_ids == ["a"] and out.sampled_token_ids == [[expected[0]]]
     # A second request sharing the first two full blocks starts at num_computed_tokens = 8.
     prompt_b = PROMPT[:8] + [123, 7]
     new_b = NewRequestData("b", prompt_b, [], GREEDY, [blocks[:2] + [33]], 8)
@@ -83,8 +83,8 @@ def test_partial_prefill_then_prefix_hit(llama, hf_llama, checkpoints):
         )
     )
     assert dict(zip(out.req_ids, out.sampled_token_ids, strict=True)) == {
-        "a": expected[1],
-        "b": checkpoints.hf_greedy(hf_llama, prompt_b, 1)[0],
+        "a": [expected[1]],
+        "b": checkpoints.hf_greedy(hf_llama, prompt_b, 1)[:1],
     }
 
 
@@ -121,11 +121,11 @@ def test_logprobs(llama, hf_llama):
         NewRequestData("none", PROMPT[:4], [], GREEDY, [[4]], 0),
     ]
     out = w.execute(SchedulerOutput(0, new_reqs=reqs, num_scheduled_tokens={"lp": 12, "none": 4}))
-    ids, lps = out.logprobs[0]
+    ((ids, lps),) = out.logprobs[0]
     assert out.logprobs[1] is None
     with torch.no_grad():
         ref = hf_llama(torch.tensor([PROMPT])).logits[0, -1].log_softmax(-1)
-    assert ids[0] == out.sampled_token_ids[0] == ids[1]  # greedy: sampled is the top-1
+    assert [ids[0]] == out.sampled_token_ids[0] == [ids[1]]  # greedy: sampled is the top-1
     assert ids[1:] == ref.topk(3).indices.tolist()
     assert lps == pytest.approx(ref[ids].tolist(), abs=1e-4)
 
@@ -179,7 +179,7 @@ def test_bfloat16_step_runs(llama):
         "a", PROMPT, [], SamplingParams(temperature=0.7, logprobs=1), [[1, 2, 3]], 0
     )
     out = w.execute(SchedulerOutput(0, new_reqs=[new], num_scheduled_tokens={"a": 12}))
-    assert 0 <= out.sampled_token_ids[0] < 512 and len(out.logprobs[0][0]) == 2
+    assert 0 <= out.sampled_token_ids[0][0] < 512 and len(out.logprobs[0][0][0]) == 2
 
 
 def test_min_tokens_masks_stop_tokens(llama, hf_llama):
@@ -196,11 +196,23 @@ def test_min_tokens_masks_stop_tokens(llama, hf_llama):
     ]
     out = w.execute(SchedulerOutput(0, new_reqs=reqs, num_scheduled_tokens={"m": 12, "free": 12}))
     got = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
-    assert got == {"m": top[1], "free": top[0]}
-    assert out.logprobs[0][1][0] == pytest.approx(ref.log_softmax(-1)[top[1]].item(), abs=1e-4)
+    assert got == {"m": [top[1]], "free": [top[0]]}
+    assert out.logprobs[0][0][1][0] == pytest.approx(ref.log_softmax(-1)[top[1]].item(), abs=1e-4)
     # Once the request has min_tokens outputs the stop token is allowed again.
     cached = CachedRequestData(["m"], [[top[1]]], [None], [12])
     out = w.execute(SchedulerOutput(1, cached_reqs=cached, num_scheduled_tokens={"m": 1}))
     with torch.no_grad():
         nxt = hf_llama(torch.tensor([PROMPT + [top[1]]])).logits[0, -1].argmax().item()
-    assert out.sampled_token_ids == [nxt]
+    assert out.sampled_token_ids == [[nxt]]
+
+
+def test_collective_rpc_reaches_worker_methods_in_process(llama):
+    from pagedserve.controller.executor import LocalExecutor
+
+    ex = LocalExecutor(lambda: worker_for(llama, layout_blocks=16))
+    ex.initialize()  # worker_for already loaded the model and allocated 16 blocks
+    info = ex.collective_rpc("rank_info")
+    assert info == [{"rank": 0, "tp": [0, 1], "dcp": [0, 1], "device": "cpu", "num_kv_blocks": 16}]
+    ex.init_kv_cache(KVCacheLayout(24, B, [[0, 1]]))  # set-up calls take the same path
+    assert ex.collective_rpc("rank_info")[0]["num_kv_blocks"] == 24
+    ex.shutdown()
