@@ -152,6 +152,21 @@ def test_lookahead_blocks_shared_by_a_fork_are_copied_before_the_child_writes() 
     assert m.num_free_blocks == m.pool.num_usable_blocks
 
 
+def test_a_shared_block_only_in_the_lookahead_range_is_copied_too() -> None:
+    m = make()
+    a = req("a", list(range(6)))
+    assert step(m, a, 6, 8)  # 14 slots -> [1, 2, 3, 4]
+    a.append_token_id(7)
+    c = a.fork("c")
+    m.fork(a, c)
+    assert step(m, c, 1, 0)  # writes into shared block 2 only
+    assert ids(m, "c") == [1, 5, 3, 4] and m.take_pending_copies() == [(2, 5)]
+    c.append_token_id(7)
+    # Token 7 goes into the now private block 5; drafts up to slot 11 reach shared block 3.
+    assert step(m, c, 1, 4)
+    assert ids(m, "c") == [1, 5, 6, 4] and m.take_pending_copies() == [(3, 6)]
+
+
 @pytest.mark.parametrize(
     "specs,policy", [([FULL, SW8], "paged"), ([SW8], "paged"), ([FULL], "reserve")]
 )
@@ -179,15 +194,16 @@ def test_general_path_layouts_allocate_lookahead(specs: list, policy: str) -> No
         st.tuples(st.integers(1, 6), st.integers(0, 9), st.booleans()), min_size=1, max_size=30
     ),
     num_blocks=st.integers(4, 24),
+    prompt_len=st.integers(1, 20),
 )
 def test_fast_path_matches_the_general_path(
-    steps: list[tuple[int, int, bool]], num_blocks: int
+    steps: list[tuple[int, int, bool]], num_blocks: int, prompt_len: int
 ) -> None:
-    """The same decode / chunk steps with lookahead on two managers, one forced onto the
-    general path: identical results, blocks, hashes, fills and free queues throughout."""
+    """The same decode / chunked-prefill steps with lookahead on two managers, one forced onto
+    the general path: identical results, blocks, hashes, fills and free queues throughout."""
     fast, slow = make(num_blocks=num_blocks), make(num_blocks=num_blocks)
     slow._fast_path = False
-    rs = [req("a", list(range(5))), req("a", list(range(5)))]
+    rs = [req("a", list(range(prompt_len))), req("a", list(range(prompt_len)))]
     for m, r in zip((fast, slow), rs, strict=True):
         m.allocate_slots(r, 1)
         r.num_computed_tokens = 1

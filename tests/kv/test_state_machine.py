@@ -112,8 +112,12 @@ class KVMachine(RuleBasedStateMachine):
         slots = min(r.num_computed_tokens + hit + n + lookahead, MAX_LEN)
         if m.policy == "reserve" and not any(had):
             slots = MAX_LEN
+        # Every block the step may write, lookahead slots included, is the request's alone.
+        first = (r.num_computed_tokens + hit) // B
         for g, n_had in zip(m.managers, had, strict=True):
-            assert len(g.req_to_blocks[rid]) == max(n_had, -(-slots // B))
+            blocks = g.req_to_blocks[rid]
+            assert len(blocks) == max(n_had, -(-slots // B))
+            assert all(b.ref_cnt == 1 for b in blocks[first : -(-slots // B)] if not b.is_null)
         self.touched.add(rid)
         return True
 
