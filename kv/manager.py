@@ -260,16 +260,15 @@ class KVCacheManager:
                 end = computed + num_new_tokens
                 slots = end + num_lookahead_tokens
                 n_have = len(blocks)
-                # Written blocks are [computed // bs, ceil(slots / bs)), usually just one; a
-                # shared (forked) one needs copy-on-write, which the general path does.
+                need = -(-slots // bs)
+                # Written blocks are [computed // bs, need), usually just one; a shared
+                # (forked) one needs copy-on-write, which the general path does.
                 i = computed // bs
-                stop = -(-slots // bs)
-                if stop > n_have:
-                    stop = n_have
+                stop = need if need < n_have else n_have
                 while i < stop and blocks[i].ref_cnt == 1:
                     i += 1
-                if i >= stop and end <= slots <= self.max_model_len:
-                    n_new = -(-slots // bs) - n_have
+                if i >= stop and slots <= self.max_model_len and num_lookahead_tokens >= 0:
+                    n_new = need - n_have
                     result = self._empty
                     if n_new > 0:
                         pool = self.pool
