@@ -103,19 +103,18 @@ class ContiguousReserveManager(KVCacheManager):
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         rid = request.request_id
+        args = (request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                num_lookahead_tokens)
         if self.has_request(rid):
-            return super().allocate_slots(
-                request, num_new_tokens, num_new_computed_tokens, new_computed_blocks
-            )
+            return super().allocate_slots(*args)
         n = self.reservation_blocks(request)
         start = self.extents.allocate(n)
         if start is None:
             return None
-        out = super().allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks
-        )
+        out = super().allocate_slots(*args)
         if out is None:
             self.extents.release(start, n)
             return None

@@ -6,9 +6,8 @@ The scheduler talks to :class:`KVCacheManager`; requests keep their block hashes
 
 from __future__ import annotations
 
-from pagedserve.kv.base import KVRequest
-from pagedserve.kv.block import FreeBlockQueue, KVBlock
-from pagedserve.kv.block_pool import BlockPool, make_cache_key
+from pagedserve.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock, make_cache_key
+from pagedserve.kv.capacity import AllocationPolicy
 from pagedserve.kv.errors import (
     DoubleFreeError,
     InvalidArgumentError,
@@ -16,14 +15,16 @@ from pagedserve.kv.errors import (
     RequestTooLargeError,
     UnknownRequestError,
 )
-from pagedserve.kv.hashing import ROOT_HASH, BlockHasher, hash_block, hash_block_tokens
-from pagedserve.kv.kv_blocks import KVCacheBlocks, PrefixCacheStats
-from pagedserve.kv.manager import AllocationPolicy, KVCacheManager
-from pagedserve.kv.single_type import (
+from pagedserve.kv.group_managers import (
     FullAttentionManager,
+    KVCacheBlocks,
     SingleTypeManager,
     SlidingWindowManager,
 )
+from pagedserve.kv.hashing import ROOT_HASH, BlockHasher, hash_block, hash_block_tokens
+from pagedserve.kv.manager import KVCacheManager
+from pagedserve.kv.prefix_hits import PrefixCacheStats
+from pagedserve.kv.request import KVRequest
 from pagedserve.kv.specs import (
     FullAttentionSpec,
     KVCacheGroup,

@@ -1,27 +1,53 @@
-"""Capacity questions of the KV manager: what one request can ever need, and whether it fits
-an empty cache. A mixin of ``KVCacheManager``, read-only."""
+"""Capacity under the allocation policy: the tokens a request reserves at admission, the peak
+blocks one request can hold, and whether it fits an empty cache. Read-only arithmetic, owned
+by ``KVCacheManager`` (which answers these questions through it)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
-from pagedserve.kv.base import KVRequest
-from pagedserve.kv.block_pool import BlockPool
 from pagedserve.kv.errors import InvalidArgumentError, RequestTooLargeError
+from pagedserve.kv.request import KVRequest
 from pagedserve.kv.specs import KVCacheSpec, SlidingWindowSpec
 
-__all__ = ["CapacityMixin"]
+__all__ = ["AllocationPolicy", "Capacity"]
+
+AllocationPolicy = Literal["paged", "reserve"]
 
 
-class CapacityMixin:
-    block_size: int
-    max_model_len: int
-    policy: str
-    group_specs: tuple[KVCacheSpec, ...]
-    pool: BlockPool
-    managers: Sequence[object]
-    _reserve_blocks: int
-    _reserve_tokens: Callable[[KVRequest], int] | None
+class Capacity:
+    """What one request can ever need, per the manager's policy and KV groups.
+
+    Args:
+        policy: ``"paged"`` (blocks on demand) or ``"reserve"`` (a reservation at admission).
+        group_specs: one spec per KV group.
+        block_size: the manager's (virtual) block size.
+        max_model_len: longest request in tokens.
+        num_usable_blocks: blocks of the device pool a request may hold (null block excluded).
+        reserve_tokens: the ``reserve`` policy's per-request reservation (None: max_model_len).
+    """
+
+    def __init__(
+        self,
+        policy: AllocationPolicy,
+        group_specs: Sequence[KVCacheSpec],
+        block_size: int,
+        max_model_len: int,
+        num_usable_blocks: int,
+        reserve_tokens: Callable[[KVRequest], int] | None,
+    ) -> None:
+        if policy not in ("paged", "reserve"):
+            raise InvalidArgumentError(f"unknown allocation policy {policy!r}")
+        if reserve_tokens is not None and policy != "reserve":
+            raise InvalidArgumentError("reserve_tokens needs policy='reserve'")
+        self.policy: AllocationPolicy = policy
+        self.group_specs = tuple(group_specs)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.num_usable_blocks = num_usable_blocks
+        self._reserve_blocks = -(-max_model_len // block_size)
+        self._reserve_tokens = reserve_tokens
 
     def reservation_tokens(self, request: KVRequest) -> int:
         """Tokens the ``reserve`` policy holds for ``request`` (0 under ``paged``)."""
@@ -36,8 +62,7 @@ class CapacityMixin:
 
     def check_admissible(self, num_tokens_total: int) -> None:
         """Raise RequestTooLargeError if a request of this many tokens (prompt + max output) can
-        never fit, even alone in an empty cache; the scheduler calls this at admission instead
-        of letting the request wait forever."""
+        never fit, even alone in an empty cache."""
         if num_tokens_total < 0:
             raise InvalidArgumentError(f"negative token count {num_tokens_total}")
         if num_tokens_total > self.max_model_len:
@@ -45,17 +70,17 @@ class CapacityMixin:
                 f"{num_tokens_total} tokens exceed max_model_len={self.max_model_len}"
             )
         need = self.blocks_needed(num_tokens_total)
-        if need > self.pool.num_usable_blocks:
+        if need > self.num_usable_blocks:
             raise RequestTooLargeError(
                 f"{num_tokens_total} tokens need {need} blocks, the cache holds "
-                f"{self.pool.num_usable_blocks}"
+                f"{self.num_usable_blocks}"
             )
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Peak blocks (all groups) one request of ``num_tokens`` tokens holds."""
         bs = self.block_size
         if self.policy == "reserve":
-            return self._reserve_blocks * len(self.managers)
+            return self._reserve_blocks * len(self.group_specs)
         total = 0
         for spec in self.group_specs:
             full = -(-num_tokens // bs)

@@ -3,9 +3,11 @@ machinery as the device pool (free queue, hashes, ref counts), with its own bloc
 
 It serves two purposes:
 
-* **swap preemption**: a preempted request's device blocks are copied into host blocks that
-  it holds while it waits (:meth:`HostTier.swap_out`), and copied back into fresh device blocks
-  when it resumes (the manager's ``swap_in``). Its host blocks carry no hash: they are private.
+* **swap preemption** (:func:`swap_out`, :func:`swap_in`): a preempted request's computed
+  blocks are copied into host blocks that it holds while it waits, and copied back into fresh
+  device blocks in the same positions (plus the growth its step needs, all or nothing) when it
+  resumes. A swapped request is in exactly one place: its device blocks went back to the device
+  free queue (hashed ones still hittable there). Its host blocks carry no hash: they are private.
 * **an offload cache**: a cached device block that the device pool is about to re-use is
   first written to a host block under the same hash (:meth:`HostTier.offload`, the device
   pool's ``on_evict``), so a later prefix hit copies it back instead of recomputing it. The tier
@@ -25,14 +27,15 @@ only from a request's own swap-out record or from host blocks cached by an offlo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedserve.kv.block import KVBlock
-from pagedserve.kv.block_pool import BlockPool
+from pagedserve.kv.block_pool import BlockPool, KVBlock
 from pagedserve.kv.errors import InvalidArgumentError, UnknownRequestError
+from pagedserve.kv.group_managers import KVCacheBlocks, SingleTypeManager
+from pagedserve.kv.request import KVRequest
 
-__all__ = ["HostTier", "HostTierStats"]
+__all__ = ["HostTier", "HostTierStats", "swap_in", "swap_in_cost", "swap_out"]
 
 
 @dataclass(slots=True)
@@ -223,3 +226,90 @@ class HostTier:
     def reset_prefix_cache(self) -> bool:
         """Forget the offloaded hashes; refused while any host block is held."""
         return self.pool.reset_prefix_cache()
+
+
+# ------------------------------------------------- swap preemption, for KVCacheManager
+def swap_out(
+    managers: Sequence[SingleTypeManager], host: HostTier, request: KVRequest, block_size: int
+) -> bool:
+    """Move the request's computed blocks to the host tier and free its device blocks.
+
+    False, with nothing changed, when the host tier cannot hold them.
+    """
+    rid = request.request_id
+    if rid not in managers[0].req_to_blocks:
+        raise UnknownRequestError(rid)
+    computed = request.num_computed_tokens
+    keep = -(-computed // block_size)
+    # Blocks that slid out of the window need no copy; count without releasing them yet, so
+    # that a refusal changes nothing.
+    need = sum(
+        sum(1 for b in m.req_to_blocks[rid][m.num_skipped(rid, computed) : keep] if not b.is_null)
+        for m in managers
+    )
+    if need > host.num_free_blocks:
+        host.stats.swap_fallbacks += 1
+        return False
+    for m in managers:
+        m.remove_skipped_blocks(rid, computed)
+    blocks = [m.req_to_blocks[rid][:keep] for m in managers]
+    if not host.swap_out(rid, blocks, computed):
+        return False
+    for m in managers:
+        m.free(rid)
+    return True
+
+
+def swap_in_cost(host: HostTier, rid: str, target: int) -> int:
+    """Device blocks a swap-in that leaves each group with ``target`` blocks takes."""
+    needed = 0
+    for group in host.swapped[rid]:
+        needed += sum(1 for b in group if not b.is_null) + max(0, target - len(group))
+    return needed
+
+
+def swap_in(
+    managers: Sequence[SingleTypeManager],
+    pool: BlockPool,
+    host: HostTier,
+    request: KVRequest,
+    num_new_tokens: int,
+    block_size: int,
+    max_model_len: int,
+    reservation_tokens: Callable[[KVRequest], int],
+) -> KVCacheBlocks | None:
+    """Bring a swapped request back with room for ``num_new_tokens`` more tokens: fresh device
+    blocks for its host blocks (copied back before the forward pass) and growth to what the
+    step (or the policy's reservation) needs. None, with nothing changed, if they do not fit."""
+    rid = request.request_id
+    if not host.is_swapped(rid):
+        raise UnknownRequestError(f"request {rid!r} is not swapped out")
+    if num_new_tokens <= 0:
+        raise InvalidArgumentError(f"need num_new_tokens > 0, got {num_new_tokens}")
+    if request.num_computed_tokens != host.num_computed[rid]:
+        raise InvalidArgumentError(
+            f"{rid}: {request.num_computed_tokens} computed tokens, "
+            f"{host.num_computed[rid]} when swapped out"
+        )
+    end = request.num_computed_tokens + num_new_tokens
+    if end > max_model_len:
+        raise InvalidArgumentError(f"{end} tokens exceed max_model_len={max_model_len}")
+    target = -(-max(end, reservation_tokens(request)) // block_size)
+    if swap_in_cost(host, rid, target) > pool.num_free_blocks:
+        return None
+    # The host blocks stay referenced (now by the pending copies) while device blocks are
+    # popped below: an offload triggered by those pops cannot take them.
+    swapped = host.take_swapped(rid)
+    out: list[list[KVBlock]] = []
+    for m, group in zip(managers, swapped, strict=True):
+        real = [h for h in group if not h.is_null]
+        fresh = iter(pool.get_new_blocks(len(real)))
+        dev = [pool.null_block if h.is_null else next(fresh) for h in group]
+        host.restore(real, [d for d in dev if not d.is_null])
+        m.req_to_blocks[rid] = dev
+        m.num_cached_blocks[rid] = 0
+        m.grow(rid, target)
+        # Full blocks are registered again: they were this request's, so their hashes match.
+        m.cache_blocks(rid, request.block_hashes, min(end, request.num_tokens))
+        out.append(list(dev))
+    return KVCacheBlocks(tuple(out))

@@ -1,17 +1,22 @@
-"""Read-only views of a KVCacheManager, through its public accessors: integrity checking and
-block-fill snapshots."""
+"""Read-only views of a KVCacheManager, through its public accessors: the integrity checks
+(every invariant of both tiers, which the tests assert after each operation) and block-fill
+snapshots."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from pagedserve.kv.base import ManagerView
 from pagedserve.kv.specs import FullAttentionSpec
+
+if TYPE_CHECKING:
+    from pagedserve.kv.manager import KVCacheManager
 
 __all__ = ["block_fill_snapshot", "check_manager_integrity"]
 
 
-def block_fill_snapshot(mgr: ManagerView) -> np.ndarray:
+def block_fill_snapshot(mgr: KVCacheManager) -> np.ndarray:
     """Tokens held per block id by running requests; see ``KVCacheManager.block_fill_snapshot``.
 
     Counts are in manager (virtual) block tokens, i.e. up to ``mgr.block_size``.
@@ -41,7 +46,7 @@ def block_fill_snapshot(mgr: ManagerView) -> np.ndarray:
     return out
 
 
-def check_manager_integrity(mgr: ManagerView) -> None:
+def check_manager_integrity(mgr: KVCacheManager) -> None:
     """Raise AssertionError on the first broken invariant."""
     pool = mgr.pool
     pool.check_integrity()
@@ -80,7 +85,7 @@ def check_manager_integrity(mgr: ManagerView) -> None:
         check_host_integrity(mgr, rids)
 
 
-def check_host_integrity(mgr: ManagerView, device_rids: set[str]) -> None:
+def check_host_integrity(mgr: KVCacheManager, device_rids: set[str]) -> None:
     """Host-tier invariants: every host block is free, held by one swapped request's list, or
     held by this step's pending copies, and its ref count says exactly how many of those; a
     request is on the device or swapped, never both; a hash is cached once on the host and

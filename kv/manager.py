@@ -9,34 +9,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Literal
 
 import numpy as np
 
-from pagedserve.kv.allocate import AllocationMixin
-from pagedserve.kv.base import KVRequest
-from pagedserve.kv.block import KVBlock
+from pagedserve.kv.allocation import SlotAllocator
 from pagedserve.kv.block_pool import BlockPool
-from pagedserve.kv.capacity import CapacityMixin
-from pagedserve.kv.coordinator import find_common_hit
+from pagedserve.kv.capacity import AllocationPolicy, Capacity
 from pagedserve.kv.errors import DoubleFreeError, InvalidArgumentError, UnknownRequestError
-from pagedserve.kv.host_tier import HostTier
+from pagedserve.kv.group_managers import (
+    FullAttentionManager,
+    KVCacheBlocks,
+    SingleTypeManager,
+    make_manager,
+)
+from pagedserve.kv.host_tier import HostTier, swap_in, swap_out
 from pagedserve.kv.introspection import block_fill_snapshot, check_manager_integrity
-from pagedserve.kv.kv_blocks import KVCacheBlocks, PrefixCacheStats
-from pagedserve.kv.single_type import FullAttentionManager, SingleTypeManager, make_manager
+from pagedserve.kv.prefix_hits import PrefixCacheStats, PrefixLookup
+from pagedserve.kv.request import KVRequest
 from pagedserve.kv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pagedserve.kv.swap import swap_in, swap_out
 
 __all__ = ["AllocationPolicy", "KVCacheManager"]
-
-AllocationPolicy = Literal["paged", "reserve"]
 
 # Ids of recently freed requests, so a second free is reported as a double free rather than an
 # unknown id. Bounded: a long-running server must not grow this forever.
 _FREED_MEMORY = 4096
 
 
-class KVCacheManager(AllocationMixin, CapacityMixin):
+class KVCacheManager:
     """Allocates KV blocks for requests across one or more KV groups sharing one pool.
 
     Args:
@@ -75,10 +74,6 @@ class KVCacheManager(AllocationMixin, CapacityMixin):
     ) -> None:
         if block_size <= 0 or max_model_len <= 0 or virtual_block_factor <= 0:
             raise InvalidArgumentError("block_size, max_model_len, virtual_block_factor must be >0")
-        if policy not in ("paged", "reserve"):
-            raise InvalidArgumentError(f"unknown allocation policy {policy!r}")
-        if reserve_tokens is not None and policy != "reserve":
-            raise InvalidArgumentError("reserve_tokens needs policy='reserve'")
         if group_specs is None:
             group_specs = [FullAttentionSpec(block_size, 1, 1, 1)]
         if not group_specs:
@@ -95,44 +90,60 @@ class KVCacheManager(AllocationMixin, CapacityMixin):
         self.virtual_block_factor = virtual_block_factor
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.policy: AllocationPolicy = policy
         self.group_specs = tuple(group_specs)
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.capacity = Capacity(
+            policy, self.group_specs, self.block_size, max_model_len,
+            self.pool.num_usable_blocks, reserve_tokens,
+        )
         self.managers: list[SingleTypeManager] = [
             make_manager(spec, self.block_size, gid, self.pool)
             for gid, spec in enumerate(self.group_specs)
         ]
-        # Groups with equal specs are looked up together (a hit must exist in all of them);
-        # full attention first, since its hit is downward closed and needs one lookup only.
-        kinds: dict[KVCacheSpec, list[int]] = {}
-        for gid, spec in enumerate(self.group_specs):
-            kinds.setdefault(spec, []).append(gid)
-        self._kinds = sorted(kinds.items(), key=lambda kv: not isinstance(kv[0], FullAttentionSpec))
-        self._single_full = len(self.managers) == 1 and isinstance(
+        single_full = len(self.managers) == 1 and isinstance(
             self.managers[0], FullAttentionManager
         )
-        self._fast_path = self._single_full and policy == "paged"
+        self._fast_path = single_full and policy == "paged"
         self._group0_blocks = self.managers[0].req_to_blocks
         self._group0_cached = self.managers[0].num_cached_blocks
-        self._reserve_blocks = -(-max_model_len // self.block_size)
-        self._reserve_tokens = reserve_tokens
-        self.prefix_cache_stats = PrefixCacheStats()
         # Tokens each request will have written once the current step runs (for fill snapshots).
         self._num_filled: dict[str, int] = {}
         self._freed_ids: dict[str, None] = {}
-        self._pending_copies: list[tuple[int, int]] = []
-        self._replacements: list[tuple[str, int, int, int]] = []
         self._empty = KVCacheBlocks(tuple([] for _ in self.managers))
         self.host: HostTier | None = None
         if num_host_blocks:
             # Host prefix hits continue a full-attention chain only (a sliding-window hit is
             # not downward closed), so other layouts use the tier for swapping alone.
-            self.host = host = HostTier(num_host_blocks, offload and self._single_full)
+            self.host = host = HostTier(num_host_blocks, offload and single_full)
             if host.offload_enabled and enable_caching:
                 device_cached = self.pool.cached
                 self.pool.on_evict = lambda b: host.offload(b, device_cached)
+        self.prefix = PrefixLookup(
+            self.managers, self.host, self.block_size, enable_caching, single_full
+        )
+        self.allocator = SlotAllocator(
+            self.pool, self.managers, self.host, self.block_size, max_model_len,
+            enable_caching, self.capacity.reservation_tokens,
+        )
 
     # ------------------------------------------------------------------ queries
+    @property
+    def policy(self) -> AllocationPolicy:
+        return self.capacity.policy
+
+    def reservation_tokens(self, request: KVRequest) -> int:
+        """See :meth:`Capacity.reservation_tokens`."""
+        return self.capacity.reservation_tokens(request)
+
+    def check_admissible(self, num_tokens_total: int) -> None:
+        """See :meth:`Capacity.check_admissible`: the scheduler calls it at admission rather
+        than letting a request that can never fit wait forever."""
+        self.capacity.check_admissible(num_tokens_total)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.prefix.stats
+
     @property
     def num_groups(self) -> int:
         return len(self.managers)
@@ -164,18 +175,14 @@ class KVCacheManager(AllocationMixin, CapacityMixin):
             raise UnknownRequestError(request_id)
         return tuple([b.block_id for b in m.req_to_blocks[request_id]] for m in self.managers)
 
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        if request_id not in self.managers[0].req_to_blocks:
-            raise UnknownRequestError(request_id)
-        return KVCacheBlocks(tuple(list(m.req_to_blocks[request_id]) for m in self.managers))
-
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies ``(src_block_id, dst_block_id)`` since the last call.
 
         Workers copy block src to dst in every layer's KV tensor before this step's forward
         pass (another sharer may write into src in the same step).
         """
-        out, self._pending_copies = self._pending_copies, []
+        alloc = self.allocator
+        out, alloc.pending_copies = alloc.pending_copies, []
         return out
 
     def take_block_replacements(self) -> list[tuple[str, int, int, int]]:
@@ -184,7 +191,8 @@ class KVCacheManager(AllocationMixin, CapacityMixin):
         The one exception to append-only block tables: the writer of a shared block gets a
         private copy at the same index. Taken together with :meth:`take_pending_copies`.
         """
-        out, self._replacements = self._replacements, []
+        alloc = self.allocator
+        out, alloc.replacements = alloc.replacements, []
         return out
 
     def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -202,33 +210,95 @@ class KVCacheManager(AllocationMixin, CapacityMixin):
 
         The hit is block aligned and at most ``num_tokens - 1`` (one token must be computed to
         produce logits). With several group kinds it is the longest length every kind accepts
-        (see :func:`pagedserve.kv.coordinator.find_common_hit`). Nothing is referenced here;
+        (see :func:`pagedserve.kv.prefix_hits.find_common_hit`). Nothing is referenced here;
         ``allocate_slots`` takes the references, so call it right after, before any other
         allocation can evict the hit blocks.
         """
-        if not self.enable_caching:
-            return self._empty, 0
-        num_tokens = request.num_tokens
-        hashes = request.block_hashes
-        max_blocks = min(len(hashes), (num_tokens - 1) // self.block_size) if num_tokens else 0
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += num_tokens
-        if max_blocks <= 0:
-            return self._empty, 0
-        host: list[KVBlock] = []
-        if self._single_full:
-            blocks = self.managers[0].find_longest_cache_hit(hashes, max_blocks, (0,))[0]
-            per_group, hit = [blocks], len(blocks)
-            if self.host is not None and hit < max_blocks:
-                # The chain may go on in the host tier, among evicted blocks kept there.
-                host = self.host.find_hit(hashes, hit, max_blocks)
-                hit += len(host)
-        else:
-            per_group, hit = find_common_hit(self.managers, self._kinds, hashes, max_blocks)
-        stats.hits += hit * self.block_size
-        stats.host_hits += len(host) * self.block_size
-        return KVCacheBlocks(tuple(per_group), host), hit * self.block_size
+        return self.prefix.find(request)
+
+    # --------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens and ``num_lookahead_tokens`` slots.
+
+        ``num_new_computed_tokens``/``new_computed_blocks`` are the prefix hit of a new request
+        from :meth:`get_computed_blocks`. Lookahead slots (speculative decoding's drafts, capped
+        at ``max_model_len``) get blocks that are never hashed and hold nothing yet; a later
+        step re-uses them. Returns the newly allocated blocks per group, or ``None`` with **no
+        state changed** if they do not fit. Touching a free cached hit block takes it out of
+        the free queue, so it counts against the free blocks like a new one. Full blocks among
+        the first ``min(computed + new, num_tokens)`` tokens are registered in the prefix
+        cache. A write into a block shared by :meth:`fork` (lookahead slots included) first
+        gives the writer a private copy (see :meth:`take_pending_copies`).
+
+        Raises:
+            InvalidArgumentError: ``num_new_tokens <= 0``, a negative count, tokens beyond
+                ``max_model_len``, or hit blocks that are stale, mismatched or given for a
+                request that already holds blocks. Raised before any change.
+        """
+        if (
+            self._fast_path
+            and new_computed_blocks is None
+            and num_new_computed_tokens == 0
+            and num_new_tokens > 0
+        ):
+            # Hot path (every running request, every step), inlined here because it runs ~256
+            # times per step: one full-attention group, paged policy, a request already holding
+            # blocks. Anything unusual (new request, copy-on-write, too long, a negative or
+            # capped lookahead) falls through to the allocator.
+            rid = request.request_id
+            blocks = self._group0_blocks.get(rid)
+            if blocks is not None:
+                bs = self.block_size
+                computed = request.num_computed_tokens
+                end = computed + num_new_tokens
+                slots = end + num_lookahead_tokens
+                n_have = len(blocks)
+                need = -(-slots // bs)
+                # Written blocks are [computed // bs, need), usually just one; a shared
+                # (forked) one needs copy-on-write, which the general path does.
+                i = computed // bs
+                stop = need if need < n_have else n_have
+                while i < stop and blocks[i].ref_cnt == 1:
+                    i += 1
+                if i >= stop and slots <= self.max_model_len and num_lookahead_tokens >= 0:
+                    n_new = need - n_have
+                    result = self._empty
+                    if n_new > 0:
+                        pool = self.pool
+                        if n_new > pool.free_block_queue.num_free_blocks:
+                            return None
+                        new = pool.get_new_blocks(n_new)
+                        blocks.extend(new)
+                        result = KVCacheBlocks((new,))
+                    if self.enable_caching:
+                        # Register blocks that became full; compared with `end` first so the
+                        # common "no block completed" case costs one dict lookup.
+                        num_cached = self._group0_cached[rid]
+                        if end // bs > num_cached:
+                            num_tokens = request.num_tokens
+                            num_full = (end if end < num_tokens else num_tokens) // bs
+                            if num_full > num_cached:
+                                self.managers[0].cache_blocks(
+                                    rid, request.block_hashes, num_full * bs
+                                )
+                    self._num_filled[rid] = end
+                    return result
+        out = self.allocator.allocate(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens,
+        )
+        if out is not None:
+            end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            self._num_filled[request.request_id] = end
+            self._freed_ids.pop(request.request_id, None)
+        return out
 
     # ------------------------------------------------------------ release etc.
     def free(self, request: KVRequest | str) -> None:
@@ -240,17 +310,13 @@ class KVCacheManager(AllocationMixin, CapacityMixin):
         rid = request if isinstance(request, str) else request.request_id
         if self.host is not None and rid in self.host.swapped:
             self.host.free(rid)
-            self._forget(rid)
-            return
-        if rid not in self.managers[0].req_to_blocks:
-            if rid in self._freed_ids:
-                raise DoubleFreeError(f"request {rid!r} was already freed")
+        elif rid in self.managers[0].req_to_blocks:
+            for m in self.managers:
+                m.free(rid)
+        elif rid in self._freed_ids:
+            raise DoubleFreeError(f"request {rid!r} was already freed")
+        else:
             raise UnknownRequestError(rid)
-        for m in self.managers:
-            m.free(rid)
-        self._forget(rid)
-
-    def _forget(self, rid: str) -> None:
         self._num_filled.pop(rid, None)
         self._freed_ids[rid] = None
         if len(self._freed_ids) > _FREED_MEMORY:
@@ -273,15 +339,10 @@ class KVCacheManager(AllocationMixin, CapacityMixin):
         changed, if it does not fit. UnknownRequestError if it is not swapped out."""
         if self.host is None:
             raise UnknownRequestError(f"request {request.request_id!r} is not swapped out")
-        end = request.num_computed_tokens + num_new_tokens
-        if end > self.max_model_len:
-            raise InvalidArgumentError(f"{end} tokens exceed max_model_len={self.max_model_len}")
-        slots = max(end, self.reservation_tokens(request))
-        target = -(-slots // self.block_size)
         out = swap_in(self.managers, self.pool, self.host, request, num_new_tokens,
-                      self.block_size, target, end)
+                      self.block_size, self.max_model_len, self.capacity.reservation_tokens)
         if out is not None:
-            self._num_filled[request.request_id] = end
+            self._num_filled[request.request_id] = request.num_computed_tokens + num_new_tokens
             self._freed_ids.pop(request.request_id, None)
         return out
 
@@ -312,15 +373,16 @@ class KVCacheManager(AllocationMixin, CapacityMixin):
             return False
         if self.host is not None:
             self.host.reset_prefix_cache()
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.prefix.stats = PrefixCacheStats()
         return True
 
     # -------------------------------------------------------------- inspection
     def block_fill_snapshot(self) -> np.ndarray:
         """Tokens each block holds for running requests (int32, length num_blocks).
 
-        A block shared by several requests counts once. Free (even cached) blocks and the null
-        block read 0. O(blocks held) with one numpy scatter: cheap enough for every step.
+        A block shared by several requests counts once. Free (even cached) blocks, lookahead
+        slots and the null block read 0. Counts are in manager (virtual) block tokens, i.e. up
+        to ``block_size``. O(blocks held) with one numpy scatter: cheap enough for every step.
         """
         return block_fill_snapshot(self)
 

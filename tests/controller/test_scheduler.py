@@ -311,9 +311,9 @@ def test_block_replacement_of_a_running_request_is_resent(kit):
     _xyz(ref)
     expected = _tokens(kit.run(ref))
     eng = kit.make_engine(num_gpu_blocks=64, max_model_len=32, allocation_policy="reserve")
-    eng.kv.policy = "paged"
+    eng.kv.capacity.policy = "paged"
     _xyz(eng)
-    eng.kv.policy = "reserve"
+    eng.kv.capacity.policy = "reserve"
     got = _tokens(kit.run(eng))
     assert got == expected
     resends = [

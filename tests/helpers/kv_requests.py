@@ -1,4 +1,4 @@
-"""A minimal request satisfying :class:`pagedserve.kv.base.KVRequest`, for the KV tests.
+"""A minimal request satisfying :class:`pagedserve.kv.request.KVRequest`, for the KV tests.
 
 It shows the one thing a request must do for the KV manager, which is to extend its block
 hashes whenever tokens are appended.

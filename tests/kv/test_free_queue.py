@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from pagedserve.kv.block import FreeBlockQueue, KVBlock
+from pagedserve.kv.block_pool import FreeBlockQueue, KVBlock
 
 
 def ids(q: FreeBlockQueue) -> list[int]:

@@ -216,7 +216,7 @@ def test_virtual_block_factor_scales_block_size() -> None:
 # ----------------------------------------------------------------- sliding window
 def cached_pool(cached_idx: set[int], n: int = 4):  # type: ignore[no-untyped-def]
     """A pool whose blocks 1..n hold request blocks 0..n-1; only `cached_idx` stay cached."""
-    from pagedserve.kv.single_type import SlidingWindowManager
+    from pagedserve.kv.group_managers import SlidingWindowManager
 
     pool = BlockPool(11)
     hashes = HASHER_HASHES[:n]

@@ -1,12 +1,14 @@
 """Random admit / decode / chunked prefill / free / fork / preempt / prefix-hit sequences,
 with and without a host tier (swap preemption, swap-in, evicted blocks kept on the host and
-hit there).
+hit there), and with lookahead slots (speculative decoding) on admissions and steps.
 
 Invariants are checked after every step, for both tiers; an ``allocate_slots`` or ``swap_in``
-that returns None must leave the manager bit-for-bit unchanged; freeing every request must
-return every usable block of either tier. With a host tier the machine ships the tier copies
-(a step boundary) before it frees a request, as the scheduler does: a block is never freed in
-the step that allocated it.
+that returns None must leave the manager bit-for-bit unchanged; an allocation leaves each
+group exactly the blocks its tokens and lookahead slots need (lookahead left from an earlier
+step is re-used, never grown past); no block hash covers a slot the request has not written
+a real token into; freeing every request must return every usable block of either tier.
+With a host tier the machine ships the tier copies (a step boundary) before it frees a
+request, as the scheduler does: a block is never freed in the step that allocated it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 
 from helpers.kv_requests import SimpleRequest
+from helpers.kv_state import check_hashes_cover_real_tokens, snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -34,6 +37,8 @@ from pagedserve.kv import (
 B = 4
 MAX_LEN = 96
 PREFIXES = [[1] * 12, [2, 3] * 6, list(range(20, 32))]
+# Mostly none; up to past MAX_LEN from any position (capped there).
+LOOKAHEAD = st.sampled_from([0, 0, 0]) | st.integers(1, 9) | st.just(MAX_LEN)
 
 CONFIGS = {
     "full": dict(specs=[FullAttentionSpec(B, 1, 1, 1)], caching=True, policy="paged"),
@@ -58,32 +63,6 @@ CONFIGS = {
         host=True,
     ),
 }
-
-
-def host_snapshot(m: KVCacheManager):  # type: ignore[no-untyped-def]
-    h = m.host
-    if h is None:
-        return None
-    return (
-        [b.block_id for b in h.pool.free_block_queue],
-        [(b.ref_cnt, b.block_hash) for b in h.pool.blocks],
-        {k: v.block_id for k, v in h.pool.cached.items()},
-        {r: [[b.block_id for b in g] for g in gs] for r, gs in h.swapped.items()},
-        (list(h.pending[0]), list(h.pending[1]), [b.block_id for b in h.held_blocks]),
-    )
-
-
-def snapshot(m: KVCacheManager):  # type: ignore[no-untyped-def]
-    return (
-        host_snapshot(m),
-        [b.block_id for b in m.pool.free_block_queue],
-        [(b.ref_cnt, b.block_hash) for b in m.pool.blocks],
-        {k: (type(v), getattr(v, "block_id", None) or sorted(v)) for k, v in m.pool.cached.items()},
-        [{r: [b.block_id for b in bl] for r, bl in g.req_to_blocks.items()} for g in m.managers],
-        [dict(g.num_cached_blocks) for g in m.managers],
-        dict(m._num_filled),
-        list(m._pending_copies),
-    )
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -117,15 +96,29 @@ class KVMachine(RuleBasedStateMachine):
         n: int,
         hit: int = 0,
         hit_blocks=None,  # type: ignore[no-untyped-def]
+        lookahead: int = 0,
     ) -> bool:
         m = self.m
         assert m is not None
+        rid = r.request_id
+        had = [len(g.req_to_blocks.get(rid, ())) for g in m.managers]
         before = snapshot(m)
-        out = m.allocate_slots(r, n, hit, hit_blocks)
+        out = m.allocate_slots(r, n, hit, hit_blocks, lookahead)
         if out is None:
             assert snapshot(m) == before, "allocate_slots returned None but changed state"
             return False
-        self.touched.add(r.request_id)
+        # Blocks for every token and lookahead slot (capped at MAX_LEN), the reservation of a
+        # new request under ``reserve``; never more than that or than the request held.
+        slots = min(r.num_computed_tokens + hit + n + lookahead, MAX_LEN)
+        if m.policy == "reserve" and not any(had):
+            slots = MAX_LEN
+        # Every block the step may write, lookahead slots included, is the request's alone.
+        first = (r.num_computed_tokens + hit) // B
+        for g, n_had in zip(m.managers, had, strict=True):
+            blocks = g.req_to_blocks[rid]
+            assert len(blocks) == max(n_had, -(-slots // B))
+            assert all(b.ref_cnt == 1 for b in blocks[first : -(-slots // B)] if not b.is_null)
+        self.touched.add(rid)
         return True
 
     def _ship(self) -> None:
@@ -139,7 +132,7 @@ class KVMachine(RuleBasedStateMachine):
             assert all(s != 0 for s, _ in pairs)
         self.touched.clear()
 
-    def _admit(self, r: SimpleRequest, chunk: int) -> None:
+    def _admit(self, r: SimpleRequest, chunk: int, lookahead: int = 0) -> None:
         m = self.m
         assert m is not None
         if m.is_swapped(r.request_id):
@@ -167,7 +160,7 @@ class KVMachine(RuleBasedStateMachine):
         for i, b in enumerate(hit_blocks.host, len(hit_blocks.blocks[0])):
             assert b.block_hash == r.block_hashes[i] + (0).to_bytes(4, "big")
         n = min(r.num_tokens - hit, chunk)
-        if self._try_alloc(r, n, hit, hit_blocks):
+        if self._try_alloc(r, n, hit, hit_blocks, lookahead):
             r.num_computed_tokens = hit + n
             self.running.append(r)
         else:
@@ -179,14 +172,17 @@ class KVMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, 5), max_size=20),
         chunk=st.integers(1, 40),
         salt=st.sampled_from([None, None, "t1"]),
+        lookahead=LOOKAHEAD,
     )
-    def admit(self, family: int, tail: list[int], chunk: int, salt: str | None) -> None:
+    def admit(
+        self, family: int, tail: list[int], chunk: int, salt: str | None, lookahead: int
+    ) -> None:
         prompt = (PREFIXES[family] if family < len(PREFIXES) else []) + tail
         if not prompt:
             prompt = [9]
         self.counter += 1
         r = SimpleRequest(f"r{self.counter}", prompt, self.hasher, salt)
-        self._admit(r, chunk)
+        self._admit(r, chunk, lookahead)
 
     @precondition(lambda self: self.waiting)
     @rule(idx=st.integers(0, 100), chunk=st.integers(1, 40))
@@ -199,9 +195,11 @@ class KVMachine(RuleBasedStateMachine):
         idx=st.integers(0, 100),
         chunk=st.integers(1, 40),
         token=st.integers(0, 5),
+        lookahead=LOOKAHEAD,
     )
-    def step(self, idx: int, chunk: int, token: int) -> None:
-        """Continue a chunked prefill, or sample one token and decode it."""
+    def step(self, idx: int, chunk: int, token: int, lookahead: int) -> None:
+        """Continue a chunked prefill, or sample one token and decode it, with room for
+        ``lookahead`` draft tokens."""
         r = self.running[idx % len(self.running)]
         if r.request_id in self.touched:
             self._ship()  # a request is scheduled once per step: this is the next step
@@ -210,7 +208,7 @@ class KVMachine(RuleBasedStateMachine):
                 return self._finish(r)
             r.append_token_id(token)
         n = min(r.num_tokens - r.num_computed_tokens, chunk)
-        if self._try_alloc(r, n):
+        if self._try_alloc(r, n, lookahead=lookahead):
             r.num_computed_tokens += n
 
     @precondition(lambda self: self.running)
@@ -301,6 +299,7 @@ class KVMachine(RuleBasedStateMachine):
                 assert len(self.m.get_block_ids(r.request_id)[0]) == per
         fill = self.m.block_fill_snapshot()
         assert fill[0] == 0 and fill.max(initial=0) <= B
+        check_hashes_cover_real_tokens(self.m, self.running + self.waiting)
 
     def teardown(self) -> None:
         if self.m is None:

@@ -1,4 +1,5 @@
-"""Per-group managers: one per KV group, all sharing the manager's single BlockPool.
+"""Per-group managers: one per KV group, all sharing the manager's single BlockPool, and
+``KVCacheBlocks``, the blocks per group that the manager hands out.
 
 Each owns its group's per-request block lists. Lists are append-only from the workers' point of
 view; the only in-place edits are (a) sliding-window heads replaced by the null block (the
@@ -10,11 +11,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.kv.block import KVBlock
-from pagedserve.kv.block_pool import BlockPool
+from pagedserve.kv.block_pool import BlockPool, KVBlock
 from pagedserve.kv.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
-__all__ = ["FullAttentionManager", "SingleTypeManager", "SlidingWindowManager", "make_manager"]
+__all__ = [
+    "FullAttentionManager",
+    "KVCacheBlocks",
+    "SingleTypeManager",
+    "SlidingWindowManager",
+    "make_manager",
+]
+
+
+class KVCacheBlocks:
+    """Blocks per KV group, ``blocks[group][i]``. Read-only for callers: the scheduler only
+    reads ids (:meth:`get_block_ids`) and passes prefix hits back into ``allocate_slots``."""
+
+    __slots__ = ("blocks", "host")
+
+    def __init__(
+        self, blocks: tuple[list[KVBlock], ...], host: list[KVBlock] | None = None
+    ) -> None:
+        self.blocks = blocks
+        # A prefix hit's continuation in the host tier (group 0 only): host blocks whose
+        # contents are copied into new device blocks when the hit is allocated.
+        self.host: list[KVBlock] = host if host is not None else []
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def num_blocks(self) -> int:
+        """Blocks in the first group (all groups have equally long lists)."""
+        return len(self.blocks[0]) if self.blocks else 0
+
+    def __bool__(self) -> bool:
+        return any(self.blocks) or bool(self.host)
+
+    def __repr__(self) -> str:
+        host = f", host={[b.block_id for b in self.host]}" if self.host else ""
+        return f"KVCacheBlocks({self.get_block_ids()}{host})"
 
 
 class SingleTypeManager:

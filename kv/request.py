@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-__all__ = ["KVRequest", "ManagerView"]
+__all__ = ["KVRequest"]
 
 
 @runtime_checkable
@@ -42,32 +41,3 @@ class KVRequest(Protocol):
     @property
     def cache_salt(self) -> str | None: ...
 
-
-class ManagerView(Protocol):
-    """What the allocation planner and the integrity checks read of ``KVCacheManager``, so
-    that they need not import the manager that imports them."""
-
-    block_size: int
-    enable_caching: bool
-    max_model_len: int
-    policy: str
-
-    @property
-    def managers(self) -> Sequence[Any]: ...
-
-    @property
-    def pool(self) -> Any: ...
-
-    @property
-    def host(self) -> Any: ...
-
-    @property
-    def num_groups(self) -> int: ...
-
-    @property
-    def num_free_blocks(self) -> int: ...
-
-    @property
-    def num_filled_tokens(self) -> Mapping[str, int]: ...
-
-    def reservation_tokens(self, request: KVRequest) -> int: ...
