@@ -281,10 +281,8 @@ class Scheduler:
     def _allocate_slots(
         self, req: Request, n: int, hit: int = 0, hit_blocks: KVCacheBlocks | None = None
     ) -> KVCacheBlocks | None:
-        """The KV manager's ``allocate_slots``, plus its ``num_lookahead_tokens`` when any."""
-        if k := self.num_lookahead_tokens:
-            return self.kv.allocate_slots(req, n, hit, hit_blocks, num_lookahead_tokens=k)
-        return self.kv.allocate_slots(req, n, hit, hit_blocks)
+        """The KV manager's ``allocate_slots`` with this scheduler's lookahead slots."""
+        return self.kv.allocate_slots(req, n, hit, hit_blocks, self.num_lookahead_tokens)
 
     def _swap_in(
         self, req: Request, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]
