@@ -4,14 +4,14 @@ snapshots."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from pagedserve.kv.specs import FullAttentionSpec
 
-if TYPE_CHECKING:
-    from pagedserve.kv.manager import KVCacheManager
+# A KVCacheManager, by duck typing: the manager imports this module, so it is not imported here.
+KVCacheManager = Any
 
 __all__ = ["block_fill_snapshot", "check_manager_integrity"]
 
