@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from pagedserve.builder import model_name
-from pagedserve.cluster.launch import ensure_ray, start_controllers
+from pagedserve.cluster.launch import start_controllers
 from pagedserve.config import from_flat
 from pagedserve.controller.client import LocalEngineClient
 from pagedserve.controller.errors import PromptTooLongError
@@ -86,7 +86,7 @@ def _check(deltas: dict[str, list[tuple]], errors: list[str], stats: dict[str, A
         assert toks == expect
 
 
-def test_the_backends_give_the_same_deltas_and_errors() -> None:
+def test_the_backends_give_the_same_deltas_and_errors(ray_local) -> None:
     local = LocalEngineClient(EngineLoop(scripted.build_scripted_engine(CONFIG)), "scripted")
     try:
         local_run = _script(local)
@@ -96,7 +96,6 @@ def test_the_backends_give_the_same_deltas_and_errors() -> None:
 
     ray.cloudpickle.register_pickle_by_value(fake_executor)
     ray.cloudpickle.register_pickle_by_value(scripted)
-    ensure_ray(None, num_cpus=2, log_to_driver=False)
     try:
         remote = start_controllers(CONFIG, scripted.build_scripted_engine,
                                    model_name=model_name(CONFIG), reserve_workers=False)
@@ -105,7 +104,6 @@ def test_the_backends_give_the_same_deltas_and_errors() -> None:
         finally:
             remote.shutdown()
     finally:
-        ray.shutdown()
         ray.cloudpickle.unregister_pickle_by_value(scripted)
         ray.cloudpickle.unregister_pickle_by_value(fake_executor)
     assert ray_run[0] == local_run[0]

@@ -29,8 +29,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt):
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+def llm(ckpt, ray_local):
     engine = None
     try:
         engine = LLM(str(ckpt), backend="ray", max_model_len=128, num_gpu_blocks=64)
@@ -38,7 +37,6 @@ def llm(ckpt):
     finally:
         if engine is not None:
             engine.shutdown()
-        ray.shutdown()
 
 
 def _prompts(seed: int, lens: tuple[int, ...]) -> list[list[int]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
 
 from pagedserve import LLM, SamplingParams
@@ -21,8 +20,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt):
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+def llm(ckpt, ray_local):
     engine = None
     try:
         engine = LLM(str(ckpt), backend="ray", data_parallel_size=2, block_size=16,
@@ -31,7 +29,6 @@ def llm(ckpt):
     finally:
         if engine is not None:
             engine.shutdown()
-        ray.shutdown()
 
 
 def test_shared_prefixes_land_on_one_replica_and_all_complete(llm, ckpt) -> None:

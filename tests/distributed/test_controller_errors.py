@@ -11,15 +11,7 @@ import pytest
 import ray
 
 from pagedserve import LLM
-from pagedserve.cluster.launch import ensure_ray
 from pagedserve.workers.errors import ModelLoadError, UnsupportedModelError
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ensure_ray(None, num_cpus=4, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _assert_released() -> None:

@@ -9,13 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import ray
 from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
 from helpers.driver import drive
 from helpers.engine_run import generate
 from helpers.ray_group import ray_executor
 
-from pagedserve.cluster.launch import ensure_ray
 from pagedserve.config import (
     CacheConfig,
     EngineConfig,
@@ -32,13 +30,6 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 SHARED = [1, 17, 99, 4, 250, 31, 77, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19]  # 18 tokens
 # Virtual blocks hold BLOCK x 2 = 8 tokens: these span 3 to 5 of them, one an exact multiple.
 PROMPTS = [SHARED + [5, 6], SHARED + [40, 41, 42, 43, 44, 45], SHARED[:16], [42, 43, 44]]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ensure_ray(None, num_cpus=4, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

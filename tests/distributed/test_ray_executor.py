@@ -2,7 +2,8 @@
 + ``EngineCore``, fault handling (a killed rank fails the in-flight requests with the rank and
 node named, the group is rebuilt, restarts are capped), and placement errors.
 
-One Ray instance serves the whole module; every executor is shut down in a finalizer.
+One Ray instance (conftest.py's, shared by the directory) serves the module; every executor is
+shut down in a finalizer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from helpers.ray_group import ray_executor
 from ray.util.placement_group import placement_group_table
 
 from pagedserve.builder import make_executor
-from pagedserve.cluster.launch import ensure_ray
 from pagedserve.cluster.placement import (
     PlacementTimeoutError,
     missing_resources,
@@ -46,13 +46,6 @@ from pagedserve.workers.ray_worker import controller_reachable
 MAX_NEW = 16
 PROMPTS = [[1, 17, 99, 4, 250, 31, 77], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 3], [42]]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ensure_ray(None, num_cpus=4, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @functools.cache

@@ -2,14 +2,17 @@
 them started by deploy/README.md's own commands, and one driver process on the head.
 
 Everything is session-scoped because a Ray node takes 10-20 s to start on a small machine: the
-hosts, the cluster and the driver are made once and shared by every test here. The test that
-kills a worker node runs last (``pytest_collection_modifyitems``). The finalizer of ``testnet``
-kills every process of every host by pid, deletes every namespace and link, and then fails the
-session if anything of the suite is left.
+hosts, the cluster and the driver are made once and shared by every test here. The suite's tests
+run one after another, the one that kills a worker node last (``pytest_collection_modifyitems``),
+and the suite is torn down as soon as its last test is done, not at the end of the session: an
+idle cluster's daemons would take CPU from every later test. The teardown stops the driver, kills
+every process of every host by pid, deletes every namespace and link, and then fails if anything
+of the suite is left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -18,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +37,30 @@ README = REPO / "deploy" / "README.md"
 DRIVER = Path(__file__).resolve().parent / "driver.py"
 TOKEN_ENV = {"RAY_AUTH_MODE": "token"}  # what README tells a shell on a node to export
 LAST = ("test_node_failure.py",)
+HERE = Path(__file__).resolve().parent
+# The suite's clean-ups (the driver's stop, then the hosts'), closed once its last test is done
+# (``pytest_runtest_teardown``) or, should the session stop earlier, by testnet's finalizer.
+SUITE = contextlib.ExitStack()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Killing a node ends the shared cluster's second host: that test goes last.
-    items.sort(key=lambda item: item.path.name in LAST)
+    # This hook sees the whole session. The suite's tests go one after another where its first
+    # one was, and killing a node ends the shared cluster's second host: that test goes last.
+    mine = [item for item in items if item.path.parent == HERE]
+    if not mine:
+        return
+    at = items.index(mine[0])
+    rest = [item for item in items if item.path.parent != HERE]
+    mine.sort(key=lambda item: item.path.name in LAST)
+    items[:] = rest[:at] + mine + rest[at:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    result = yield
+    if nextitem is None or nextitem.path.parent != HERE:
+        SUITE.close()
+    return result
 
 
 def walkthrough_blocks(text: str) -> dict[str, str]:
@@ -86,18 +108,21 @@ class Cluster:
     walk: Walkthrough
 
 
+def _destroy(net: TestNet) -> None:
+    net.destroy()
+    left = leftovers()
+    assert not left, f"the multi-host suite left these behind: {left}"
+
+
 @pytest.fixture(scope="session")
-def testnet() -> Iterator[TestNet]:
+def testnet(request: pytest.FixtureRequest) -> TestNet:
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
+    request.addfinalizer(SUITE.close)
     net = TestNet.create(2)
-    try:
-        yield net
-    finally:
-        net.destroy()
-    left = leftovers()
-    assert not left, f"the multi-host suite left these behind: {left}"
+    SUITE.callback(_destroy, net)
+    return net
 
 
 @pytest.fixture(scope="session")
@@ -168,29 +193,31 @@ class Driver:
         return answer
 
 
+def _stop_driver(proc: subprocess.Popen[str], err: Any) -> None:
+    try:
+        if proc.poll() is None and proc.stdin is not None:
+            proc.stdin.write('{"op": "quit"}\n')
+            proc.stdin.flush()
+        proc.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=10)
+    err.close()
+
+
 @pytest.fixture(scope="session")
-def driver(cluster: Cluster) -> Iterator[Driver]:
+def driver(cluster: Cluster) -> Driver:
     log = cluster.work / "driver.log"
-    err = open(log, "w")  # noqa: SIM115 (closed below)
+    err = open(log, "w")  # noqa: SIM115 (closed by _stop_driver)
     proc = cluster.head.popen(
         [sys.executable, str(DRIVER), str(cluster.checkpoint)], cwd=cluster.work,
         env={**TOKEN_ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
     )
+    SUITE.callback(_stop_driver, proc, err)  # before the hosts go (the stack runs newest first)
     drv = Driver(proc, log)
-    try:
-        assert drv.answer(timeout_s=120).get("ready")
-        yield drv
-    finally:
-        try:
-            if proc.poll() is None and proc.stdin is not None:
-                proc.stdin.write('{"op": "quit"}\n')
-                proc.stdin.flush()
-            proc.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
-        err.close()
+    assert drv.answer(timeout_s=120).get("ready")
+    return drv
 
 
 @pytest.fixture(scope="session")
