@@ -24,8 +24,8 @@ WARMUP_PROMPT_TOKENS = 32
 # Step ids below every real one: the engine numbers its steps from 0 up.
 _FIRST_STEP_ID = -3
 
-# One greedy row and one seeded random row (its own generator: the worker's shared one is not
-# drawn from, so unseeded sampling later is what it would have been without the warm-up).
+# One greedy row and one seeded random row; the shared generator's state is restored after, so
+# unseeded sampling later draws what it would have drawn without the warm-up.
 _PARAMS = (
     SamplingParams(max_tokens=2, temperature=0.0),
     SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=8, seed=0),
@@ -41,6 +41,7 @@ def warm_up(runner: ModelRunner, num_groups: int, block_size: int, max_model_len
         NewRequestData(rid, [0] * prompt_len, [], params, [[0] * num_blocks] * num_groups, 0)
         for rid, params in zip(ids, _PARAMS, strict=True)
     ]
+    rng_state = runner.sampler.generator.get_state()
     step = _FIRST_STEP_ID
     out = runner.execute(SchedulerOutput(
         step, new_reqs=new, num_scheduled_tokens=dict.fromkeys(ids, prompt_len),
@@ -56,6 +57,7 @@ def warm_up(runner: ModelRunner, num_groups: int, block_size: int, max_model_len
         total_num_scheduled_tokens=len(ids),
     ))
     runner.execute(SchedulerOutput(step + 2, finished_req_ids=ids))
+    runner.sampler.generator.set_state(rng_state)
     with torch.inference_mode():
         for tensor in runner.kv_pool.tensors:  # [num_blocks, 2, B, H_kv, D]
             tensor[0].zero_()

@@ -44,6 +44,9 @@ def test_init_kv_cache_runs_a_prefill_and_a_decode_step_and_leaves_no_trace(
         (-1, {}, ids),
     ]
     assert w.runner is not None and w.runner.batch.num_reqs == 0
+    # Unseeded sampling draws from where a fresh generator of the model's seed would.
+    fresh = torch.Generator().manual_seed(w.config.model.seed)
+    assert torch.equal(w.runner.sampler.generator.get_state(), fresh.get_state())
     for tensor in w.runner.kv_pool.tensors:  # the whole pool as fresh as allocated
         assert torch.count_nonzero(tensor) == 0
     if not torch.cuda.is_available():
