@@ -59,6 +59,9 @@ class RequestOutput:
     top_1: logprob, ...}`` (the prompt token first); None at position 0."""
     num_host_cached_tokens: int = 0
     """Of ``num_cached_tokens``, those found in the host tier (copied back, not recomputed)."""
+    error_code: str | None = None
+    """With ``error``: the ``controller.errors`` class it stands for (``RequestFailedError``:
+    this request alone failed, the engine serves on); None for a failure of the engine."""
 
 
 @dataclass(slots=True)
@@ -90,6 +93,8 @@ class RequestDelta:
     """The prompt positions whose logprobs became known this step (``RequestOutput``'s
     ``prompt_logprobs``, in order, each sent once); None when there are none."""
     num_host_cached_tokens: int = 0
+    error_code: str | None = None
+    """With ``error``: as ``RequestOutput.error_code``."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,6 +206,10 @@ class ModelRunnerOutput:
     """Requests that asked for prompt logprobs and computed prompt tokens this step (sampling
     or not): ``(first, ids, logprobs)``, where row ``i`` is prompt position ``first + i`` (>= 1):
     ids ``[prompt token, top_1, ..., top_N]`` and their log-probabilities."""
+    request_errors: dict[str, str] = field(default_factory=dict)
+    """New requests this rank could not take (a value the controller's checks missed), with
+    the error: none of their tokens was computed this step. Decided from the request's own
+    data, so every rank rejects the same ones."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,7 +276,7 @@ class StepFrame:
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
-    VERSION = 4
+    VERSION = 5
     HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
     STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
     STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop

@@ -11,7 +11,12 @@ from typing import Any
 
 from pagedserve.config import FieldError
 
-__all__ = ["SamplingParams", "SamplingParamsError"]
+__all__ = ["INT32_MAX", "RANGES", "TOKEN_ID", "Range", "SamplingParams", "SamplingParamsError"]
+
+INT32_MAX = 2**31 - 1
+"""The largest count or token id a request may carry: the workers hold token ids in int32
+matrices and the per-row parameters in fixed-width columns, where a wider value would fail the
+whole batch's step instead of this request's admission."""
 
 
 class SamplingParamsError(FieldError):
@@ -24,6 +29,53 @@ def _is_int(v: Any) -> bool:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a numeric field accepts: ``[lo, hi]``, or ``(lo, hi]`` with ``lo_open``.
+
+    One table (``RANGES``) serves ``SamplingParams`` and the HTTP request models alike, so the
+    server's 400s and the engine's refusals agree on every bound."""
+
+    lo: int | float
+    hi: int | float
+    integer: bool = False
+    lo_open: bool = False
+    note: str = ""
+
+    def admits(self, v: Any) -> bool:
+        if not (_is_int(v) if self.integer else _is_num(v)):
+            return False
+        return (self.lo < v if self.lo_open else self.lo <= v) and v <= self.hi
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        return f"must be {kind} in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]{self.note}"
+
+
+TOKEN_ID = Range(0, INT32_MAX, integer=True)
+"""Any token id before the vocabulary is known (the engine checks ``< vocab_size``)."""
+
+RANGES: dict[str, Range] = {
+    "n": Range(1, 128, integer=True),
+    "max_tokens": Range(0, INT32_MAX, integer=True),
+    "min_tokens": Range(0, INT32_MAX, integer=True),
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "top_k": Range(-1, INT32_MAX, integer=True, note=" (0 or -1 disables it)"),
+    "min_p": Range(0.0, 1.0),
+    "seed": Range(0, 2**63 - 1, integer=True),
+    "stop_token_ids": TOKEN_ID,  # each of them
+    "repetition_penalty": Range(0.0, 10.0, lo_open=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "logprobs": Range(0, 20, integer=True),
+    "prompt_logprobs": Range(0, 20, integer=True),
+}
+"""Every numeric parameter's bounds, by ``SamplingParams`` field name."""
+
+_OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,39 +122,19 @@ class SamplingParams:
         def bad(name: str, rule: str) -> SamplingParamsError:
             return SamplingParamsError(name, f"{rule}, got {getattr(self, name)!r}")
 
-        if not _is_int(self.n) or not 1 <= self.n <= 128:
-            raise bad("n", "must be an integer in [1, 128]")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
-            raise bad("max_tokens", "must be an integer >= 0")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            if name == "stop_token_ids":
+                if not all(allowed.admits(t) for t in value):
+                    raise bad(name, "each " + allowed.describe())
+            elif not (value is None and name in _OPTIONAL) and not allowed.admits(value):
+                raise bad(name, allowed.describe())
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}")
-        if not _is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", "must be a number in [0, 100]")
-        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
-        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be a number in [0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise bad("seed", "must be an integer in [0, 2**63)")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be a boolean")
-        if not _is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", "must be a number in (0, 10]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not _is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, "must be a number in [-2, 2]")
-        for name in ("logprobs", "prompt_logprobs"):
-            lp = getattr(self, name)
-            if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
-                raise bad(name, "must be an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:

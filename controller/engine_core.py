@@ -7,7 +7,6 @@ returns per-step deltas (``controller.outputs``): O(new tokens), never O(length)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Collection
@@ -18,67 +17,28 @@ from pagedserve.controller.errors import (
     DuplicateRequestError,
     EmptyPromptError,
     EngineDeadError,
+    InvalidStopTokenError,
     InvalidTokenError,
     PromptTooLongError,
+    RequestFailedError,
     RequestTooLargeError,
     UnsupportedRequestError,
 )
 from pagedserve.controller.executor import Executor, WorkerGroupError
 from pagedserve.controller.kv_plan import plan_kv_cache, resolve_max_model_len
-from pagedserve.controller.outputs import failed_delta, take_delta
-from pagedserve.controller.request import Request, RequestStatus, request_group, sequence_ids
+from pagedserve.controller.outputs import RequestGroup, failed_delta
+from pagedserve.controller.rejected import void_rejected
+from pagedserve.controller.request import RequestStatus, request_group, sequence_ids
 from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.controller.scheduler import Scheduler, StepHook
 from pagedserve.controller.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from pagedserve.kv import BlockHasher
 from pagedserve.kv.errors import RequestTooLargeError as KVRequestTooLargeError
-from pagedserve.messages import AddRequest, RequestDelta, SamplingParams
+from pagedserve.messages import AddRequest, RequestDelta, SamplingParams, SchedulerOutput
 
 __all__ = ["EngineCore"]
 
 logger = logging.getLogger(__name__)
-
-
-
-@dataclasses.dataclass(slots=True)
-class _Group:
-    """One user request: its ``n`` completion sequences (and the fork parent, until it forks)."""
-
-    request_id: str
-    seqs: list[Request]
-    parent: Request | None
-    num_emitted_prompt_logprobs: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-    @property
-    def num_cached_tokens(self) -> int:
-        cached = self.parent.num_cached_tokens if self.parent is not None else -1
-        return max(0, cached, *(s.num_cached_tokens for s in self.seqs))
-
-    def seq_ids(self) -> list[str]:
-        """Every scheduler id of the request: the fork parent (if unforked) and its seqs."""
-        parent = [self.parent.request_id] if self.parent is not None else []
-        return parent + [s.request_id for s in self.seqs]
-
-    def delta(self) -> RequestDelta | None:
-        comps = [d for s in self.seqs if (d := take_delta(s)) is not None]
-        # Every sequence of the group (and its fork parent) shares one prompt-logprobs list.
-        lps = self.seqs[0].prompt_logprobs
-        new_lps = None
-        if lps is not None and len(lps) > self.num_emitted_prompt_logprobs:
-            new_lps = lps[self.num_emitted_prompt_logprobs :]
-            self.num_emitted_prompt_logprobs = len(lps)
-        if not comps and new_lps is None:
-            return None
-        return RequestDelta(
-            self.request_id, comps, self.finished, self.num_cached_tokens,
-            prompt_logprobs=new_lps,
-            num_host_cached_tokens=max(0, *(s.num_host_cached_tokens for s in self.seqs),
-                                       self.parent.num_host_cached_tokens if self.parent else 0),
-        )
 
 
 class EngineCore:
@@ -122,7 +82,7 @@ class EngineCore:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self._eos_token_ids = tuple(eos_token_ids)
         self.scheduler = self._new_scheduler([])
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
         self._time_schedule = 0.0
         self._time_execute = 0.0
         self._kv_integrity_ok = 1
@@ -163,7 +123,7 @@ class EngineCore:
             hasher=self.hasher, cache_salt=req.cache_salt, arrival_time=arrival_time,
         )
         self.scheduler.add_request(head)
-        self._groups[rid] = _Group(rid, seqs, head if params.n > 1 else None)
+        self._groups[rid] = RequestGroup(rid, seqs, head if params.n > 1 else None)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -174,6 +134,11 @@ class EngineCore:
                 raise InvalidTokenError(
                     f"prompt token {t!r} at position {pos} is outside the vocabulary [0, {vocab})"
                 )
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidStopTokenError(
+                f"stop_token_ids {list(params.stop_token_ids)} reach outside the vocabulary "
+                f"[0, {vocab})"
+            )
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
@@ -236,6 +201,8 @@ class EngineCore:
             return self._on_worker_failure(exc)
         t2 = time.perf_counter()
         deltas: list[RequestDelta] = []
+        if runner_out.request_errors:
+            deltas = self._fail_rejected(sched_out, runner_out.request_errors)
         seen: set[str] = set()
         for req in self.scheduler.update_from_output(sched_out, runner_out):
             gid = req.group_id
@@ -276,6 +243,29 @@ class EngineCore:
         return [failed_delta(group.request_id, [s.index for s in group.seqs], reason)]
 
     # ------------------------------------------------------------------- faults
+    def _fail_rejected(self, so: SchedulerOutput, errors: dict[str, str]) -> list[RequestDelta]:
+        """Fail the groups of the requests the workers rejected, and nothing else: the blocks
+        they left unwritten leave the prefix cache, and whoever read one this step is computed
+        again (``controller.rejected``). Neither the group nor the restart budget is touched."""
+        sched = self.scheduler
+        groups = {
+            g.request_id: g for rid in errors
+            if (req := sched.requests.get(rid)) is not None
+            and (g := self._groups.get(req.group_id)) is not None
+        }
+        void_rejected(sched, so, {s for g in groups.values() for s in g.seq_ids()})
+        deltas = []
+        for gid, group in groups.items():
+            error = next(errors[s] for s in group.seq_ids() if s in errors)
+            logger.error("request %s failed on the workers: %s", gid, error)
+            sched.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
+            del self._groups[gid]
+            deltas.append(failed_delta(
+                gid, [s.index for s in group.seqs], f"the workers could not serve it: {error}",
+                RequestFailedError.__name__,
+            ))
+        return deltas
+
     @property
     def healthy(self) -> bool:
         """False once worker-group restarts are exhausted (the engine is dead)."""

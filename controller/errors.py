@@ -16,8 +16,10 @@ __all__ = [
     "EngineOverloadedError",
     "EmptyPromptError",
     "InvalidTokenError",
+    "InvalidStopTokenError",
     "PromptTooLongError",
     "RequestError",
+    "RequestFailedError",
     "RequestTooLargeError",
     "UnknownRequestError",
     "UnsupportedRequestError",
@@ -40,6 +42,10 @@ class PromptTooLongError(RequestError):
 
 class InvalidTokenError(RequestError):
     """A prompt token id lies outside ``[0, vocab_size)``."""
+
+
+class InvalidStopTokenError(RequestError):
+    """A stop token id lies outside ``[0, vocab_size)``: it could never match."""
 
 
 class DuplicateRequestError(RequestError):
@@ -71,6 +77,11 @@ class EngineDeadError(RuntimeError):
     requests failed."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone while serving it (the workers could not take a
+    value that the checks at admission missed); the other requests and the engine carry on."""
+
+
 _BY_CODE: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
@@ -78,12 +89,14 @@ _BY_CODE: dict[str, type[Exception]] = {
         EmptyPromptError,
         PromptTooLongError,
         InvalidTokenError,
+        InvalidStopTokenError,
         DuplicateRequestError,
         UnsupportedRequestError,
         RequestTooLargeError,
         UnknownRequestError,
         EngineOverloadedError,
         EngineDeadError,
+        RequestFailedError,
     )
 }
 

@@ -9,6 +9,7 @@ front ends forward the deltas as they come.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from pagedserve.controller.request import Request
@@ -23,6 +24,7 @@ from pagedserve.messages import (
 __all__ = [
     "OutputAccumulator",
     "OutputCollector",
+    "RequestGroup",
     "failed_delta",
     "final_output_sink",
     "take_delta",
@@ -58,10 +60,55 @@ def take_delta(seq: Request) -> CompletionDelta | None:
     )
 
 
-def failed_delta(request_id: str, indices: list[int], error: str) -> RequestDelta:
-    """The final delta of a request the engine could not finish."""
+@dataclasses.dataclass(slots=True)
+class RequestGroup:
+    """One user request in the engine: its ``n`` completion sequences (and the fork parent,
+    until it forks); ``delta()`` is its output of a step."""
+
+    request_id: str
+    seqs: list[Request]
+    parent: Request | None
+    num_emitted_prompt_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        cached = self.parent.num_cached_tokens if self.parent is not None else -1
+        return max(0, cached, *(s.num_cached_tokens for s in self.seqs))
+
+    def seq_ids(self) -> list[str]:
+        """Every scheduler id of the request: the fork parent (if unforked) and its seqs."""
+        parent = [self.parent.request_id] if self.parent is not None else []
+        return parent + [s.request_id for s in self.seqs]
+
+    def delta(self) -> RequestDelta | None:
+        comps = [d for s in self.seqs if (d := take_delta(s)) is not None]
+        # Every sequence of the group (and its fork parent) shares one prompt-logprobs list.
+        lps = self.seqs[0].prompt_logprobs
+        new_lps = None
+        if lps is not None and len(lps) > self.num_emitted_prompt_logprobs:
+            new_lps = lps[self.num_emitted_prompt_logprobs :]
+            self.num_emitted_prompt_logprobs = len(lps)
+        if not comps and new_lps is None:
+            return None
+        return RequestDelta(
+            self.request_id, comps, self.finished, self.num_cached_tokens,
+            prompt_logprobs=new_lps,
+            num_host_cached_tokens=max(0, *(s.num_host_cached_tokens for s in self.seqs),
+                                       self.parent.num_host_cached_tokens if self.parent else 0),
+        )
+
+
+def failed_delta(
+    request_id: str, indices: list[int], error: str, code: str | None = None
+) -> RequestDelta:
+    """The final delta of a request the engine could not finish (``code``: see
+    ``RequestOutput.error_code``)."""
     comps = [CompletionDelta(i, [], "", finish_reason="error") for i in indices]
-    return RequestDelta(request_id, comps, finished=True, error=error)
+    return RequestDelta(request_id, comps, finished=True, error=error, error_code=code)
 
 
 class OutputAccumulator:
@@ -103,6 +150,7 @@ class OutputAccumulator:
         out.num_cached_tokens = delta.num_cached_tokens
         out.num_host_cached_tokens = delta.num_host_cached_tokens
         out.error = delta.error
+        out.error_code = delta.error_code
         return out
 
 

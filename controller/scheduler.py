@@ -196,7 +196,7 @@ class Scheduler:
                 if blocks is not None:
                     break
                 victim = self.running.pop()
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted = True
                 if victim is req:
                     break
@@ -302,13 +302,15 @@ class Scheduler:
         num_scheduled[req.request_id] = n
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request, *, recompute: bool = False) -> None:
         """Free the request's device blocks and queue it at the waiting head: swapped to the
-        host tier (it resumes where it stopped) or, failing that, to start over."""
+        host tier (it resumes where it stopped) or, failing that or with ``recompute``, to
+        start over. The caller has taken it out of the running list."""
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         # Swapping needs a next token to resume with; one with nothing left starts over.
-        swap = self.preemption_mode == "swap" and req.compute_limit > req.num_computed_tokens
+        swap = not recompute and self.preemption_mode == "swap"
+        swap = swap and req.compute_limit > req.num_computed_tokens
         if not (swap and self.kv.swap_out(req)):
             self.kv.free(req)
             req.num_computed_tokens = 0
@@ -371,14 +373,11 @@ class Scheduler:
                 req.num_sent_tokens = 0
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is not None:
-                req.draft_token_ids = []  # verified, or not reached: a drafter proposes anew
-            if (
-                req is not None
-                and req.children
-                and req.status == RequestStatus.RUNNING
-                and req.num_computed_tokens >= req.compute_limit
-            ):
+            if req is None:
+                continue
+            req.draft_token_ids = []  # verified, or not reached: a drafter proposes anew
+            ready = req.num_computed_tokens >= req.compute_limit
+            if req.children and req.status == RequestStatus.RUNNING and ready:
                 self._fork(req)
         return progressed
 

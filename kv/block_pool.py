@@ -264,6 +264,14 @@ class BlockPool:
         else:
             self.cached[key] = {entry.block_id: entry, block.block_id: block}
 
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Take these blocks out of the prefix cache, in use or not: the step that was to
+        write their KV did not (see ``controller.rejected``). Unhashed blocks are skipped."""
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.block_hash is not None:
+                self._evict(block)
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on prefix-hit blocks; free ones leave the queue (not evictable now)."""
         queue = self.free_block_queue

@@ -26,7 +26,7 @@ from pagedserve.builder import resolve_backend, resolve_model_dir, start_engine
 from pagedserve.config import EngineConfig, from_flat
 from pagedserve.controller.client import EngineClient, LocalEngineClient
 from pagedserve.controller.engine_core import EngineCore
-from pagedserve.controller.errors import EngineDeadError
+from pagedserve.controller.errors import EngineDeadError, RequestFailedError
 from pagedserve.controller.outputs import final_output_sink
 from pagedserve.messages import AddRequest, RequestOutput, SamplingParams
 from pagedserve.serving.chat import Conversation, chat_prompts
@@ -79,7 +79,9 @@ class LLM:
 
         A prompt is text or a list of token ids. If any request is refused (too long, empty,
         invalid token ids), the requests of this call already added are aborted and the typed
-        error propagates: nothing stays queued behind a failed call.
+        error propagates: nothing stays queued behind a failed call. So does a request the
+        engine failed while serving it: ``RequestFailedError`` when it failed alone (the
+        engine serves on), ``EngineDeadError`` when the engine did.
         """
         client = self._client()
         batch = _as_batch(prompts)
@@ -110,7 +112,9 @@ class LLM:
                         raise EngineDeadError("the engine stopped before finishing") from None
                     continue
                 if out.error is not None:
-                    raise EngineDeadError(f"request {out.request_id} failed: {out.error}")
+                    alone = out.error_code == RequestFailedError.__name__
+                    raise (RequestFailedError if alone else EngineDeadError)(
+                        f"request {out.request_id} failed: {out.error}")
                 finished[out.request_id] = out
                 if bar is not None:
                     bar.update(1)

@@ -65,12 +65,24 @@ class InputBatch:
         raise RuntimeError(f"input batch is full ({self.max_num_reqs} requests)")
 
     def add_request(self, req: NewRequestData) -> int:
-        if req.req_id in self.index_of:
-            self.remove_request(req.req_id)
-        row = self._free_row()
+        """Give the request a row. Raises, before any change, for tokens outside the
+        vocabulary or past ``max_model_len``; a parameter its column cannot hold raises midway
+        (the caller removes the row again)."""
         tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
         if len(tokens) > self.max_model_len:
             raise ValueError(f"request {req.req_id}: {len(tokens)} tokens > max_model_len")
+        ids = np.asarray(tokens)
+        # An id past int64 makes an object array; one past the vocabulary would index the
+        # embedding out of bounds in the batch's forward (on CUDA a device-side assert).
+        if ids.size and (
+            ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size
+        ):
+            raise ValueError(
+                f"request {req.req_id}: a token id outside the vocabulary [0, {self.vocab_size})"
+            )
+        if req.req_id in self.index_of:
+            self.remove_request(req.req_id)
+        row = self._free_row()
         self.req_ids[row] = req.req_id
         self.index_of[req.req_id] = row
         self.token_ids[row, : len(tokens)] = tokens

@@ -51,7 +51,10 @@ class ModelRunner:
 
     # 1. state ---------------------------------------------------------------------------------
 
-    def update_state(self, so: SchedulerOutput) -> None:
+    def update_state(self, so: SchedulerOutput) -> dict[str, str]:
+        """Apply the step's deltas. Returns the new requests that could not be added, with the
+        error: each one's failure is its own (its row is removed again and it runs nothing),
+        never the batch's."""
         batch = self.batch
         for rid in so.finished_req_ids:
             batch.remove_request(rid)
@@ -65,17 +68,24 @@ class ModelRunner:
             if cached.new_block_ids and cached.new_block_ids[i] is not None:
                 batch.block_table.append_row(cached.new_block_ids[i], row)
             batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
+        errors: dict[str, str] = {}
         for req in so.new_reqs:
-            batch.add_request(req)
+            try:
+                batch.add_request(req)
+            except Exception as exc:  # a value of this request's, not a fault of the rank
+                batch.remove_request(req.req_id)
+                errors[req.req_id] = f"{type(exc).__name__}: {exc}"
         batch.condense()
         for rid, drafts in so.draft_token_ids.items():
-            batch.write_drafts(rid, drafts)
+            if rid not in errors:
+                batch.write_drafts(rid, drafts)
+        return errors
 
     # 2-4. the step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.update_state(so)
+        errors = self.update_state(so)
         self.kv_pool.copy_tiers(so.blocks_to_host, so.blocks_to_device)
         if so.block_copies:
             pairs = torch.tensor([list(p) for p in so.block_copies], dtype=torch.int64)
@@ -84,7 +94,7 @@ class ModelRunner:
         rows = [
             r for r in range(batch.num_reqs) if so.num_scheduled_tokens.get(batch.req_ids[r], 0)
         ]
-        out = ModelRunnerOutput(step_id=so.step_id)
+        out = ModelRunnerOutput(step_id=so.step_id, request_errors=errors)
         if not rows:
             return out
         rows_np = np.asarray(rows, dtype=np.int64)

@@ -10,9 +10,13 @@ coalesced into one event), feeds the metrics, and wakes whoever is waiting.
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -22,9 +26,11 @@ from pagedserve.controller.errors import (
     EmptyPromptError,
     EngineDeadError,
     EngineOverloadedError,
+    InvalidStopTokenError,
     InvalidTokenError,
     PromptTooLongError,
     RequestError,
+    RequestFailedError,
     RequestTooLargeError,
 )
 from pagedserve.controller.outputs import OutputAccumulator
@@ -36,11 +42,15 @@ __all__ = [
     "ClientGone",
     "EngineRun",
     "InFlight",
+    "InternalError",
     "Prompt",
     "ServerContext",
+    "current_request_id",
     "token_text",
     "validation_error",
 ]
+
+logger = logging.getLogger(__name__)
 
 # How long an add may wait for the engine's verdict (it comes within one engine step).
 ADD_TIMEOUT_S = 120.0
@@ -77,6 +87,28 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("pagedserve_request_id", default=None)
+"""The id of the HTTP request being served (set by ``request_ids.RequestIdMiddleware``)."""
+
+
+def current_request_id() -> str | None:
+    return REQUEST_ID.get()
+
+
+class InternalError(APIError):
+    """A 500: the server failed while serving a request. ``detail`` goes to the log under the
+    request's id (with the traceback of the exception being handled, if any); the client reads
+    only "internal error (request id ...)", the id its ``X-Request-Id`` header carries too.
+    Outside an HTTP request (a batch line) the error gets an id of its own."""
+
+    def __init__(self, detail: str) -> None:
+        self.request_id = current_request_id() or uuid.uuid4().hex
+        super().__init__(500, f"internal error (request id {self.request_id})",
+                         type="server_error", code="internal_error")
+        logger.error("request %s: internal error: %s", self.request_id, detail,
+                     exc_info=sys.exc_info()[0] is not None)
 
 
 def engine_unavailable(reason: str = "the engine is not running") -> APIError:
@@ -304,14 +336,15 @@ class EngineRun:
             out = sub.latest
             if out is not None and out.error is not None:
                 self.abort()
-                healthy = False
-                try:
-                    healthy = self.client.is_healthy()
-                except Exception:
-                    pass
-                if not healthy:
-                    raise engine_unavailable(f"the engine failed: {out.error}")
-                raise APIError(500, f"the request failed: {out.error}", type="server_error")
+                if out.error_code != RequestFailedError.__name__:  # the engine's failure
+                    healthy = False
+                    try:
+                        healthy = self.client.is_healthy()
+                    except Exception:
+                        pass
+                    if not healthy:
+                        raise engine_unavailable(f"the engine failed: {out.error}")
+                raise InternalError(f"engine request {sub.request_id} failed: {out.error}")
 
     async def wait(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
         async for _ in self.updates(is_disconnected):
@@ -328,6 +361,8 @@ def submit_error(exc: BaseException, prompt_param: str) -> APIError:
         param: str | None = None
         if isinstance(exc, (EmptyPromptError, InvalidTokenError, PromptTooLongError)):
             param = prompt_param
+        elif isinstance(exc, InvalidStopTokenError):
+            param = "stop_token_ids"
         elif isinstance(exc, RequestTooLargeError):
             param = "max_tokens"
         return APIError(400, str(exc), param=param, code=type(exc).__name__)

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
-Requests validate types only; value ranges are checked once, by ``SamplingParams``, so the
-server and the batch API agree on what is valid. Unknown request fields are ignored, as the
+Requests validate types, every numeric field's range (the bounds are ``SamplingParams``'
+table, ``sampling_params.RANGES``, so the server, the batch API and ``LLM.generate`` agree on
+what is valid) and that every text is valid Unicode (a lone surrogate cannot be encoded, so it
+would fail deep in the tokenizer or the response). Unknown request fields are ignored, as the
 OpenAI clients send fields this server has no use for. Extensions beyond the OpenAI schema:
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens`` and ``cache_salt`` (a tenant's private prefix cache).
@@ -10,11 +12,14 @@ OpenAI clients send fields this server has no use for. Extensions beyond the Ope
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+
+from pagedserve.sampling_params import RANGES, TOKEN_ID, Range
 
 __all__ = [
+    "APIRequest",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -28,36 +33,86 @@ __all__ = [
 ]
 
 
-class _Request(BaseModel):
+def _bounded(kind: type, allowed: Range) -> Any:
+    """``kind`` constrained to ``allowed`` (the bounds land in the OpenAPI schema too)."""
+    low = {"gt": allowed.lo} if allowed.lo_open else {"ge": allowed.lo}
+    return Annotated[kind, Field(le=allowed.hi, **low)]
+
+
+# The request models' numeric types, by the SamplingParams field each one feeds.
+TokenId = _bounded(StrictInt, TOKEN_ID)
+# A prompt's ids are bounded above only: one below 0 or past the vocabulary is the engine's
+# InvalidTokenError (it knows the vocabulary), a 400 with that code.
+PromptTokenId = Annotated[StrictInt, Field(le=TOKEN_ID.hi)]
+Count = _bounded(int, RANGES["max_tokens"])
+N = _bounded(int, RANGES["n"])
+TopLogprobs = _bounded(int, RANGES["logprobs"])
+Seed = _bounded(int, RANGES["seed"])
+TopK = _bounded(int, RANGES["top_k"])
+Temperature = _bounded(float, RANGES["temperature"])
+TopP = _bounded(float, RANGES["top_p"])
+MinP = _bounded(float, RANGES["min_p"])
+Penalty = _bounded(float, RANGES["presence_penalty"])  # presence and frequency alike
+RepetitionPenalty = _bounded(float, RANGES["repetition_penalty"])
+
+
+def _check_text(value: Any) -> None:
+    """Raise ValueError on a string (also inside lists and dicts) that is not valid Unicode."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"must be valid Unicode text: a lone surrogate at character {exc.start}"
+                ) from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_text(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key)
+            _check_text(item)
+
+
+class APIRequest(BaseModel):
+    """Base of every request body: unknown fields ignored, every text valid Unicode."""
+
     model_config = ConfigDict(extra="ignore")
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_text(value)
+        return value
 
-class StreamOptions(_Request):
+
+class StreamOptions(APIRequest):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(APIRequest):
     """Fields shared by both endpoints that map one to one onto ``SamplingParams``."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: N = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    repetition_penalty: float | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    min_tokens: Count | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
 
@@ -65,20 +120,20 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt`` is text, token ids, or a batch of either."""
 
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: StrictStr | list[PromptTokenId] | list[StrictStr] | list[list[PromptTokenId]]
+    max_tokens: Count | None = 16
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: N | None = None
 
 
-class TextPart(_Request):
+class TextPart(APIRequest):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(APIRequest):
     role: str
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
@@ -96,10 +151,10 @@ class ChatCompletionRequest(_SamplingFields):
     ``max_tokens``; with neither, generation may run to the end of the context."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
 
 

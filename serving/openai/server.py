@@ -7,7 +7,8 @@ server-sent-event streaming), ``POST /tokenize`` and ``/detokenize`` (``tokenize
 the Batch API when a batch directory is given (``serving.batch_api``), ``GET /health`` and
 ``GET /metrics`` (Prometheus). With an API key every route but ``/health`` needs
 ``Authorization: Bearer <key>``. Every error answers with the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``; a 500 says only "internal error" and the
+request id, which every answer carries in ``X-Request-Id`` (``request_ids``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pagedserve.serving.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from pagedserve.serving.openai.request_ids import RequestIdMiddleware
 from pagedserve.serving.openai.tokenize_routes import tokenize_router
 
 __all__ = ["build_app", "serve"]
@@ -126,11 +128,6 @@ def build_app(
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(APIError(exc.status_code, str(exc.detail), type=kind))
 
-    @app.exception_handler(Exception)
-    async def _on_crash(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in a request")
-        return _error(APIError(500, f"internal server error: {exc!r}", type="server_error"))
-
     # ----------------------------------------------------------------------- auth
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
@@ -147,6 +144,9 @@ def build_app(
                         code="invalid_api_key",
                     ))
             return await call_next(request)
+
+    # Outermost, so that every answer carries the id (401s too) and any exception is caught.
+    app.add_middleware(RequestIdMiddleware)
 
     # ----------------------------------------------------------------------- routes
     # Every status a route can answer is in the OpenAPI schema, with its real media type.

@@ -14,20 +14,18 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from pydantic import StrictStr
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.serving.openai.engine_run import APIError
 from pagedserve.serving.openai.prepare import check_model_name, render_chat
-from pagedserve.serving.openai.protocol import ERROR_RESPONSES, ChatMessage
+from pagedserve.serving.openai.protocol import ERROR_RESPONSES, APIRequest, ChatMessage, TokenId
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "tokenize_router"]
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(APIRequest):
     model: str | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -37,11 +35,9 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(APIRequest):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 def _tokenizer(client: EngineClient, model: str | None) -> Tokenizer:
