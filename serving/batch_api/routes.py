@@ -59,9 +59,22 @@ def _copy_upload(src: IO[bytes], dest: Path, limit: int) -> int:
     return size
 
 
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (``"\\ud800"`` in the client's JSON): no
+    UTF-8 can carry it, so every answer echoing it could not be encoded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_metadata(metadata: dict[str, str] | None) -> None:
     if metadata is None:
         return
+    if not all(_is_unicode(k) and _is_unicode(v) for k, v in metadata.items()):
+        raise APIError(400, "metadata keys and values must be valid Unicode text (a lone "
+                       "surrogate such as \\ud800 is not)", param="metadata")
     if len(metadata) > _METADATA_PAIRS:
         raise APIError(400, f"metadata holds at most {_METADATA_PAIRS} pairs", param="metadata")
     for key, value in metadata.items():
