@@ -47,7 +47,7 @@ def parse_line(lineno: int, text: str, endpoint: str) -> BatchLine:
     """Check the envelope of one input line (not the body: the endpoint checks that)."""
     try:
         obj = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
         return BatchLine(None, error=("invalid_json", f"line {lineno}: not valid JSON: {exc}"))
     if not isinstance(obj, dict):
         return BatchLine(None, error=("invalid_request", f"line {lineno}: not a JSON object"))

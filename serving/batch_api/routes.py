@@ -11,17 +11,18 @@ Routes: ``POST /v1/files`` (multipart ``file`` + ``purpose=batch``), ``GET /v1/f
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import IO, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, StrictStr
+from starlette.requests import ClientDisconnect
 
 from pagedserve.serving.batch_api.records import BATCH_ENDPOINTS
 from pagedserve.serving.batch_api.runner import BatchRunner
 from pagedserve.serving.batch_api.store import TERMINAL
+from pagedserve.serving.batch_api.upload import FILE_FIELD, receive_upload
 from pagedserve.serving.openai.engine_run import APIError
 
 __all__ = ["MAX_UPLOAD_BYTES", "CreateBatchRequest", "batch_router"]
@@ -44,24 +45,29 @@ def _not_found(kind: str, ident: str, param: str) -> APIError:
     return APIError(404, f"no {kind} with id {ident!r}", param=param, code="not_found")
 
 
-class _TooLarge(Exception):
-    pass
+_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {
+    "schema": {"type": "object", "required": [FILE_FIELD, "purpose"], "properties": {
+        FILE_FIELD: {"type": "string", "format": "binary"},
+        "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)},
+    }}}}}}
 
 
-def _copy_upload(src: IO[bytes], dest: Path, limit: int) -> int:
-    size = 0
-    with open(dest, "wb") as f:
-        while chunk := src.read(1 << 20):
-            size += len(chunk)
-            if size > limit:
-                raise _TooLarge
-            f.write(chunk)
-    return size
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (``"\\ud800"`` in the client's JSON): no
+    UTF-8 can carry it, so every answer echoing it could not be encoded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
     if metadata is None:
         return
+    if not all(_is_unicode(k) and _is_unicode(v) for k, v in metadata.items()):
+        raise APIError(400, "metadata keys and values must be valid Unicode text (a lone "
+                       "surrogate such as \\ud800 is not)", param="metadata")
     if len(metadata) > _METADATA_PAIRS:
         raise APIError(400, f"metadata holds at most {_METADATA_PAIRS} pairs", param="metadata")
     for key, value in metadata.items():
@@ -88,24 +94,26 @@ def batch_router(runner: BatchRunner) -> APIRouter:
     router = APIRouter()
 
     # ----------------------------------------------------------------------- files
-    @router.post("/v1/files")
-    async def create_file(
-        file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
-    ) -> dict[str, Any]:
-        if purpose not in UPLOAD_PURPOSES:
-            raise APIError(400, f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got "
-                           f"{purpose!r}", param="purpose")
+    @router.post("/v1/files", openapi_extra=_UPLOAD_BODY)
+    async def create_file(request: Request) -> Any:
+        # The body streams into the batch directory, never through starlette's form parser
+        # (which would spool it all to $TMPDIR first): see ``upload``.
         tmp = store.upload_path()
         try:
-            await asyncio.to_thread(_copy_upload, file.file, tmp, MAX_UPLOAD_BYTES)
-        except _TooLarge:
+            upload = await receive_upload(request.headers, request.stream(), tmp,
+                                          MAX_UPLOAD_BYTES)
+        except ClientDisconnect:  # the partial file is gone already; nobody reads an answer
+            return Response(status_code=499)
+        purpose = upload.fields.get("purpose")
+        if purpose not in UPLOAD_PURPOSES:
             tmp.unlink(missing_ok=True)
-            raise APIError(413, f"the file is larger than {MAX_UPLOAD_BYTES} bytes",
-                           param="file", code="file_too_large") from None
+            raise APIError(400, f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got "
+                           f"{purpose!r}", param="purpose")
+        try:
+            return store.add_file(tmp, Path(upload.filename or "upload.jsonl").name, purpose)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return store.add_file(tmp, Path(file.filename or "upload.jsonl").name, purpose)
 
     @router.get("/v1/files")
     async def list_files(

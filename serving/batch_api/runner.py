@@ -20,10 +20,13 @@ interactive load a batch waits.
 
 Malformed lines (bad JSON, no ``custom_id``, a repeated ``custom_id``, a wrong ``method`` or
 ``url``, a body that is not an object) get an error record (``response: null``, ``error:
-{code, message}``) and the batch goes on. The runner lives on a thread of its own with its own
-event loop, so it starts and resumes whether or not the ASGI server runs lifespan events. When
-the engine is down, a line in flight is not written (the batch stays ``in_progress``) and a
-restarted server redoes it: on start, every active batch resumes, skipping the lines whose
+{code, message}``) and the batch goes on. So does a line whose handling fails in a way nobody
+foresaw: a ``server_error`` record (the exception goes to the log), and the next line. A batch
+whose own handling fails (its file vanished, a bug) is marked ``failed`` and the others go on.
+The runner lives on a ``LoopThread`` (its own thread and event loop, started again with a
+back-off if the loop itself dies; ``alive`` False once it gave up, which ``/health`` reports).
+When the engine is down, a line in flight is not written (the batch stays ``in_progress``) and
+a restarted server redoes it: on start, every active batch resumes, skipping the lines whose
 records are already in its output or error file.
 """
 
@@ -38,28 +41,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from pydantic import ValidationError
-
+from pagedserve.serving.batch_api.endpoints import answer_line
 from pagedserve.serving.batch_api.records import LineTracker, input_lines, parse_line, record
-from pagedserve.serving.batch_api.store import BatchStore, RecordFile
-from pagedserve.serving.openai.engine_run import APIError, ServerContext, validation_error
-from pagedserve.serving.openai.prepare import prepare_chat, prepare_completion
-from pagedserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.serving.batch_api.store import BatchStore, RecordFile, batch_progress
+from pagedserve.serving.batch_api.supervisor import LoopThread
+from pagedserve.serving.openai.engine_run import APIError, ServerContext
 
-__all__ = ["ENDPOINTS", "MAX_LINES", "BatchRunner"]
+__all__ = ["MAX_LINES", "BatchRunner"]
 
 logger = logging.getLogger(__name__)
 
-ENDPOINTS: dict[str, Any] = {
-    "/v1/completions": (CompletionRequest, prepare_completion),
-    "/v1/chat/completions": (ChatCompletionRequest, prepare_chat),
-}
 MAX_LINES = 50_000
 _PERSIST_EVERY_S = 1.0
-
-
-async def _never() -> bool:
-    return False
 
 
 @dataclass
@@ -82,7 +75,7 @@ class BatchRunner:
 
     def __init__(
         self, store: BatchStore, ctx: ServerContext, *, max_in_flight: int = 4,
-        poll_s: float = 0.05,
+        poll_s: float = 0.05, restart_backoff_s: float = 1.0, max_restarts: int = 5,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -98,50 +91,37 @@ class BatchRunner:
         self._jobs: dict[str, _Job] = {}
         self._done: set[str] = set()  # batches whose lines were all handed out in this run
         self._closing = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._main: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._thread_main, name="pagedserve-batches",
-                                        daemon=True)
+        self.worker = LoopThread("pagedserve-batches", self._run,
+                                 backoff_s=restart_backoff_s, max_restarts=max_restarts)
         ctx.interactive.on_idle(self.notify)
 
     # ------------------------------------------------------------------ other threads
     def start(self) -> None:
-        self._thread.start()
+        self.worker.start()
         self._ready.wait(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        """False once the runner died more often than it may restart (``/health`` says)."""
+        return self.worker.alive
 
     def notify(self) -> None:
         """Wake the runner (a new batch, a cancel, interactive traffic ended)."""
-        loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # closing
-                pass
+        wake = self._wake
+        if wake is not None:
+            self.worker.call_soon(wake.set)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop: lines in flight are aborted and not written (a restart redoes them)."""
-        loop, main = self._loop, self._main
-        if loop is not None and main is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(main.cancel)
-            except RuntimeError:
-                pass
-        self._thread.join(timeout=timeout_s)
+        self.worker.stop(timeout_s)
 
     # ---------------------------------------------------------------- runner thread
-    def _thread_main(self) -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._run())
-        finally:
-            loop.close()
-
     async def _run(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        # A fresh start (the first, or after the last run died): as a new server would.
+        self._jobs, self._done, self._closing, self.in_flight = {}, set(), False, 0
         self._wake = asyncio.Event()
-        self._main = asyncio.current_task()
         self._ready.set()
         try:
             while True:
@@ -151,8 +131,11 @@ class BatchRunner:
                 )
                 if batch_id is None:
                     await self._sleep(1.0)
-                else:
+                    continue
+                try:
                     await self._advance(batch_id)
+                except Exception as exc:
+                    self._abandon(batch_id, exc)
         except asyncio.CancelledError:
             pass
         finally:
@@ -200,11 +183,29 @@ class BatchRunner:
         self.store.transition(batch["id"], {"validating"}, "in_progress", request_counts=counts)
         return True
 
-    def _fail(self, batch_id: str, code: str, message: str) -> bool:
+    def _fail(self, batch_id: str, code: str, message: str,
+              from_statuses: frozenset[str] = frozenset({"validating"})) -> bool:
         errors = {"object": "list",
                   "data": [{"code": code, "message": message, "param": None, "line": None}]}
-        self.store.transition(batch_id, {"validating"}, "failed", errors=errors)
+        self.store.transition(batch_id, from_statuses, "failed", errors=errors)
         return False
+
+    def _abandon(self, batch_id: str, exc: Exception) -> None:
+        """A batch whose own handling raised: fail it (the log has why), keep the others."""
+        logger.error("batch %s failed in the runner", batch_id, exc_info=exc)
+        self._done.add(batch_id)
+        job = self._jobs.pop(batch_id, None)
+        if job is not None:
+            for task in job.tasks:
+                task.cancel()
+            job.out.close()
+            job.err.close()
+        try:
+            self._fail(batch_id, "server_error",
+                       f"the server failed while running this batch ({type(exc).__name__})",
+                       frozenset({"validating", "in_progress", "finalizing"}))
+        except Exception:
+            logger.exception("batch %s: cannot record its failure", batch_id)
 
     def _open(self, batch_id: str) -> _Job:
         state = self.store.state(batch_id)
@@ -221,13 +222,17 @@ class BatchRunner:
         for lineno, text in input_lines(path):
             if self._cancelling(job.id):
                 return
-            line = parse_line(lineno, text, job.endpoint)
-            cid = line.custom_id
-            if tracker.already_done(lineno, line):
+            try:
+                line = parse_line(lineno, text, job.endpoint)
+                if tracker.already_done(lineno, line):
+                    continue
+            except Exception as exc:  # a line nobody foresaw: its own error, not the batch's
+                self._line_failed(job, None, exc)
                 continue
+            cid = line.custom_id
             if line.error is not None:
                 code, message = line.error
-                self._write(job, job.err, record(cid, None, {"code": code, "message": message}))
+                self._emit(job, job.err, record(cid, None, {"code": code, "message": message}))
                 await asyncio.sleep(0)
                 continue
             if not await self._slot(job):
@@ -260,7 +265,7 @@ class BatchRunner:
 
     async def _serve(self, job: _Job, custom_id: str | None, body: dict[str, Any]) -> None:
         try:
-            resp = await self._respond(job.endpoint, body)
+            resp = await answer_line(self.ctx, job.endpoint, body)
         except APIError as exc:
             if exc.status == 503:  # the engine is down: leave the line for a restart
                 job.missing += 1
@@ -268,65 +273,61 @@ class BatchRunner:
             response = {"status_code": exc.status, "request_id": f"batch_{uuid.uuid4().hex}",
                         "body": exc.body()}
             error = {"code": exc.code or exc.type, "message": exc.message}
-            self._write(job, job.err, record(custom_id, response, error))
+            self._emit(job, job.err, record(custom_id, response, error))
         except Exception as exc:
-            logger.exception("batch %s: line %s failed", job.id, custom_id)
-            err = APIError(500, f"internal server error: {exc!r}", type="server_error")
-            response = {"status_code": 500, "request_id": f"batch_{uuid.uuid4().hex}",
-                        "body": err.body()}
-            self._write(job, job.err, record(custom_id, response,
-                                              {"code": "server_error", "message": err.message}))
+            self._line_failed(job, custom_id, exc)
         else:
             response = {"status_code": 200, "request_id": resp["id"], "body": resp}
-            self._write(job, job.out, record(custom_id, response, None))
+            self._emit(job, job.out, record(custom_id, response, None))
+
+    def _line_failed(self, job: _Job, custom_id: str | None, exc: BaseException) -> None:
+        """The record of a line whose handling raised: ``server_error``, as OpenAI writes it;
+        the exception goes to the log, not to the file."""
+        logger.error("batch %s: line %r failed", job.id, custom_id, exc_info=exc)
+        err = APIError(500, "internal server error", type="server_error")
+        response = {"status_code": 500, "request_id": f"batch_{uuid.uuid4().hex}",
+                    "body": err.body()}
+        self._emit(job, job.err, record(custom_id, response,
+                                         {"code": "server_error", "message": err.message}),
+                   fallback=False)
+
+    def _emit(self, job: _Job, records: RecordFile, rec: dict[str, Any],
+              fallback: bool = True) -> None:
+        """Write one line's record; when that fails, its ``server_error`` record instead,
+        and when even that fails (the disk), leave the line for a restart to redo."""
+        try:
+            self._write(job, records, rec)
+        except Exception as exc:
+            if fallback:
+                self._line_failed(job, rec.get("custom_id"), exc)
+            else:
+                logger.error("batch %s: cannot write a record", job.id, exc_info=exc)
+                job.missing += 1
 
     def _line_done(self, job: _Job, task: asyncio.Task[None]) -> None:
         """A line left the engine (answered, failed or cancelled, even before it started)."""
         self.in_flight -= 1
         job.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("batch %s: a line's task failed", job.id, exc_info=task.exception())
+            job.missing += 1
         if self._wake is not None:
             self._wake.set()
         self._maybe_finish(job)
 
-    async def _respond(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-        """What the endpoint answers to ``body``; raises its ``APIError``."""
-        model, prepare = ENDPOINTS[endpoint]
-        if body.get("stream"):
-            raise APIError(400, "stream is not supported in a batch", param="stream")
-        try:
-            request = model.model_validate(body)
-        except ValidationError as exc:
-            raise validation_error(exc.errors()) from None
-        answer = await prepare(self.ctx, request)
-        try:
-            result: dict[str, Any] = await answer.respond(_never)
-            return result
-        finally:
-            answer.run.abort()
-
     def _write(self, job: _Job, records: RecordFile, rec: dict[str, Any]) -> None:
-        records.append(rec)
+        records.append(rec)  # raises when the record is not written
         now = time.monotonic()
         persist = now - job.last_persist >= _PERSIST_EVERY_S  # counts are re-read on resume
         if persist:
             job.last_persist = now
-        self.store.update(job.id, persist=persist, **self._progress(job))
+        try:
+            self.store.update(job.id, persist=persist, **self._progress(job))
+        except Exception:  # the record is written: the counts follow at the next save
+            logger.exception("batch %s: cannot save its progress", job.id)
 
     def _progress(self, job: _Job) -> dict[str, Any]:
-        """``request_counts`` and ``usage`` of the Batch object, from the record files."""
-        total = self._batch(job.id)["request_counts"]["total"]
-        u = job.out.usage
-        return {
-            "request_counts": {"total": total, "completed": job.out.count,
-                               "failed": job.err.count},
-            "usage": {
-                "input_tokens": u["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": u["cached_tokens"]},
-                "output_tokens": u["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            },
-        }
+        return batch_progress(self._batch(job.id)["request_counts"]["total"], job.out, job.err)
 
     def _batch(self, batch_id: str) -> dict[str, Any]:
         batch = self.store.get_batch(batch_id)

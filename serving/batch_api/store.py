@@ -7,10 +7,15 @@ Layout under the root (``pagedserve serve --batch-dir``)::
     batches/<batch_id>.json    {"batch": the Batch object, "state": the runner's own fields}
 
 Every JSON document is written atomically (a temporary file, fsync, rename), so a kill leaves
-the old version or the new one. A batch's output and error files are ``RecordFile``s: one JSON
-record per line, appended and flushed as each line finishes, registered as File objects only
-when the batch is finalized. Reopening one cuts off a truncated last record, so a restarted
-server knows exactly which lines are done. The store is safe to use from several threads.
+the old version or the new one; a failed write removes its temporary file, and a start sweeps
+those a kill left. Any Python string round-trips: text is written as UTF-8, and a document
+holding a lone surrogate (a ``"\\ud800"`` escape in the client's JSON, which UTF-8 cannot
+encode) is written with ASCII escapes instead.
+
+A batch's output and error files are ``RecordFile``s: one JSON record per line, appended and
+flushed as each line finishes, registered as File objects only when the batch is finalized.
+Reopening one cuts off a truncated last record, so a restarted server knows exactly which
+lines are done. The store is safe to use from several threads.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ __all__ = [
     "TERMINAL",
     "BatchStore",
     "RecordFile",
+    "batch_progress",
     "default_batch_dir",
+    "encode_json",
     "write_json_atomic",
 ]
 
@@ -50,13 +57,26 @@ def default_batch_dir() -> Path:
     return cache_root() / "batches"
 
 
+def encode_json(obj: Any) -> bytes:
+    """``obj`` as one line of JSON in UTF-8 (ASCII escapes when it holds a lone surrogate)."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        data = encode_json(obj)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _read_json(path: Path) -> Any:
@@ -76,7 +96,7 @@ class RecordFile:
         self.keys: list[tuple[Any, str | None]] = []
         for rec in self._scan():
             self._count(rec)
-        self._f = open(path, "a", encoding="utf-8")
+        self._f = open(path, "ab")
 
     def _count(self, rec: dict[str, Any]) -> None:
         err = rec.get("error")
@@ -123,12 +143,27 @@ class RecordFile:
 
     def append(self, rec: dict[str, Any]) -> None:
         # One write, flushed at once: a kill leaves at most one partial last line.
-        self._f.write(json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._f.write(encode_json(rec) + b"\n")
         self._f.flush()
         self._count(rec)
 
     def close(self) -> None:
         self._f.close()
+
+
+def batch_progress(total: int, out: RecordFile, err: RecordFile) -> dict[str, Any]:
+    """``request_counts`` and ``usage`` of a Batch object, from its record files."""
+    u = out.usage
+    return {
+        "request_counts": {"total": total, "completed": out.count, "failed": err.count},
+        "usage": {
+            "input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": u["cached_tokens"]},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+        },
+    }
 
 
 class BatchStore:
@@ -229,8 +264,9 @@ class BatchStore:
         }
         self._make_dirs()
         with self._lock:
-            self._batches[batch_id] = {"batch": batch, "state": state}
-            self._persist(batch_id)
+            doc = {"batch": batch, "state": state}
+            self._persist(batch_id, doc)  # first: a batch that cannot be stored never exists
+            self._batches[batch_id] = doc
         return copy.deepcopy(batch)
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
@@ -245,10 +281,11 @@ class BatchStore:
     def update(self, batch_id: str, *, persist: bool = True, **fields: Any) -> dict[str, Any]:
         """Set fields of the Batch object (``persist=False``: in memory only, for counts)."""
         with self._lock:
-            batch = self._batches[batch_id]["batch"]
-            batch.update(copy.deepcopy(fields))
-            if persist:
-                self._persist(batch_id)
+            doc = self._batches[batch_id]
+            batch = {**doc["batch"], **copy.deepcopy(fields)}
+            if persist:  # before the change in memory: a failed write changes nothing
+                self._persist(batch_id, {**doc, "batch": batch})
+            doc["batch"] = batch
             return copy.deepcopy(batch)
 
     def transition(
@@ -295,5 +332,5 @@ class BatchStore:
             self._batches, key=lambda i: (self._batches[i]["state"]["seq"], i), reverse=reverse
         )
 
-    def _persist(self, batch_id: str) -> None:
-        write_json_atomic(self.batches_dir / f"{batch_id}.json", self._batches[batch_id])
+    def _persist(self, batch_id: str, doc: dict[str, Any]) -> None:
+        write_json_atomic(self.batches_dir / f"{batch_id}.json", doc)

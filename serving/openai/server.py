@@ -152,12 +152,16 @@ def build_app(
     # Every status a route can answer is in the OpenAPI schema, with its real media type.
     @app.get("/health", response_class=Response, responses={
         200: {"description": "the engine serves", "content": None},
-        503: {"description": "the engine is down", "content": None},
+        503: {"description": "the engine is down, or the Batch API's runner died past its "
+                             "restarts", "content": None},
     })
     async def health() -> Response:
         try:
             healthy = client.is_healthy()
         except Exception:
+            healthy = False
+        runner = app.state.batches
+        if runner is not None and not runner.alive:
             healthy = False
         return Response(status_code=200 if healthy else 503)
 
