@@ -1,8 +1,10 @@
 """``BodyLimits``: an ASGI middleware bounding what a request body may cost while it is read.
 
-* Size: a body whose ``Content-Length`` is over the limit is refused with 413 before a byte of
-  it is read; one without (chunked) is refused as soon as the bytes read pass the limit, so a
-  300 MB body is never buffered.
+* Size: a body whose ``Content-Length`` is over the limit is refused with 413 before the app
+  sees any of it; one without (chunked) as soon as the bytes read pass the limit. Either way
+  the rest is read and dropped, never buffered, until it ends or the body timeout passes, and
+  only then answered (the connection closed after): a client sends its whole body before it
+  reads the answer, and one cut off mid-upload sees a reset instead of the 413.
 * Time: the whole body must arrive within the body timeout of the headers (408 past it): a
   client that sends a few bytes and stalls, or drips them, cannot hold the request open.
 
@@ -65,12 +67,12 @@ class BodyLimits:
             return
         limit = self._limit(scope["path"])
         declared = _content_length(scope)
-        if limit is not None and declared is not None and declared > limit:
-            exc = BodyTooLarge(limit)
-            await _refuse(exc)(scope, receive, send)
-            return
         loop = asyncio.get_running_loop()
         deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
+        if limit is not None and declared is not None and declared > limit:
+            await _drain(receive, deadline)
+            await _refuse(BodyTooLarge(limit))(scope, receive, send)
+            return
         received = 0
         done = False
 
@@ -89,6 +91,9 @@ class BodyLimits:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if limit is not None and received > limit:
+                    if message.get("more_body", False):
+                        await _drain(receive, deadline)
+                    done = True
                     raise BodyTooLarge(limit)
                 done = not message.get("more_body", False)
             else:
@@ -96,6 +101,23 @@ class BodyLimits:
             return message
 
         await self.app(scope, bounded_receive, send)
+
+
+# How long a refused body is read and dropped when no body timeout bounds it.
+_DRAIN_CAP_S = 30.0
+
+
+async def _drain(receive: Receive, deadline: float | None) -> None:
+    """Read and drop the rest of a refused body, until its end or ``deadline``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + _DRAIN_CAP_S if deadline is None else deadline
+    while (left := end - loop.time()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -109,5 +131,5 @@ def _content_length(scope: Scope) -> int | None:
 def _refuse(exc: HTTPException) -> JSONResponse:
     body = {"error": {"message": exc.detail, "type": "invalid_request_error", "param": None,
                       "code": "request_too_large" if exc.status_code == 413 else "timeout"}}
-    # The body stays unread: the connection cannot carry another request after this one.
+    # The body may not have ended: the connection carries no other request after this one.
     return JSONResponse(body, status_code=exc.status_code, headers={"Connection": "close"})

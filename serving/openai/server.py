@@ -37,6 +37,7 @@ from pagedserve.serving.openai.engine_run import (
     ServerContext,
     validation_error,
 )
+from pagedserve.serving.openai.json_turns import JSONInTurns
 from pagedserve.serving.openai.limits import ServerLimits
 from pagedserve.serving.openai.metrics import ServerMetrics
 from pagedserve.serving.openai.prepare import prepare_chat, prepare_completion, warm_chat_template
@@ -104,6 +105,10 @@ class _EngineStream(StreamingResponse):
             self._on_close()
 
 
+# The answers of read_limits (a body too slow or too large), as its own refusals code them.
+_READ_LIMIT_CODES = {408: "timeout", 413: "request_too_large"}
+
+
 def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
@@ -133,6 +138,8 @@ def build_app(
     """
     limits = ServerLimits() if limits is None else limits
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
+    app.router.route_class = JSONInTurns
+    app.state.json_turn = asyncio.Lock()
     metrics = ServerMetrics(client)
     ctx = ServerContext(client, metrics, limits=limits, pool=CpuPool(limits.cpu_workers))
     app.state.client = client
@@ -153,8 +160,9 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        resp = _error(APIError(exc.status_code, str(exc.detail), type=kind))
-        if exc.status_code in (408, 413):  # the body was not read to its end
+        code = _READ_LIMIT_CODES.get(exc.status_code)
+        resp = _error(APIError(exc.status_code, str(exc.detail), type=kind, code=code))
+        if code is not None:  # the body was not read to its end: no next request on it
             resp.headers["Connection"] = "close"
         return resp
 

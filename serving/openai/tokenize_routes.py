@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.serving.openai.engine_run import APIError, ServerContext
+from pagedserve.serving.openai.json_turns import JSONInTurns
 from pagedserve.serving.openai.prepare import check_model_name, conversation_chars, render_chat
 from pagedserve.serving.openai.protocol import ERROR_RESPONSES, ChatMessage
 from pagedserve.serving.openai.render import render_json
@@ -91,7 +92,7 @@ def detokenize(client: EngineClient, body: DetokenizeRequest) -> dict[str, Any]:
 def tokenize_router(ctx: ServerContext) -> APIRouter:
     """The two routes, over ``ctx.client``'s tokenizer (no engine round trip). The work and
     the answer's JSON (a long prompt's ids) are done in ``ctx.pool``, off the event loop."""
-    router = APIRouter()
+    router = APIRouter(route_class=JSONInTurns)
     client = ctx.client
     json_answer = {200: {"content": {"application/json": {}}}}
 
