@@ -41,8 +41,8 @@ def take_delta(seq: Request) -> CompletionDelta | None:
     tokens = seq.output_token_ids[seq.num_emitted_tokens :]
     detok = seq.detokenizer
     end = detok.text_len if detok is not None else 0
-    if not finished and seq.sampling_params.stop:
-        end -= max(len(s) for s in seq.sampling_params.stop) - 1
+    if not finished and seq.stop_strings is not None:
+        end -= seq.stop_strings.longest - 1
     start = seq.num_emitted_chars
     new_text = detok.text_from(start)[: end - start] if detok is not None and end > start else ""
     if not tokens and not new_text and not (finished and not seq.emitted_final):

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from pagedserve.controller.stop_strings import StopStrings
 from pagedserve.controller.tokenizer import IncrementalDetokenizer
 from pagedserve.kv.hashing import BlockHasher
 from pagedserve.messages import SamplingParams
@@ -68,10 +69,20 @@ class Request:
         group_id: str | None = None,
         index: int = 0,
         children: Sequence[Request] = (),
+        stop_strings: StopStrings | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.stop_strings = stop_strings
+        """The stop strings' matcher, shared by a request's sequences (built here if none)."""
+        if stop_strings is None and sampling_params.stop:
+            self.stop_strings = StopStrings(sampling_params.stop)
+        self.worker_params = (
+            dataclasses.replace(sampling_params, stop=()) if sampling_params.stop
+            else sampling_params
+        )
+        """What the workers get: stop strings are matched here, so they never travel."""
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
@@ -193,7 +204,7 @@ class Request:
         if detok is not None:
             old_len = detok.text_len
             delta = detok.step([token_id])
-            if delta and params.stop and may_stop and self._check_stop_strings(old_len):
+            if delta and self.stop_strings and may_stop and self._check_stop_strings(old_len):
                 return
         if (
             params.max_tokens is not None and self.num_output_tokens >= params.max_tokens
@@ -243,21 +254,15 @@ class Request:
 
     def _check_stop_strings(self, old_len: int) -> bool:
         """Truncate at the first stop string that ends in the new text; True if one did."""
-        detok = self.detokenizer
-        assert detok is not None
-        longest = max(len(s) for s in self.sampling_params.stop)
-        # A match must end inside the new delta, so it starts at most len(stop)-1 chars earlier.
-        search_from = max(0, old_len - longest + 1)
-        text = detok.text_from(search_from)
-        best: tuple[int, str] | None = None
-        for s in self.sampling_params.stop:
-            i = text.find(s)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
+        detok, stops = self.detokenizer, self.stop_strings
+        assert detok is not None and stops is not None
+        # A match must end inside the new delta, so it starts at most longest-1 chars earlier.
+        search_from = max(0, old_len - stops.longest + 1)
+        hit = stops.find(detok.text_from(search_from), detok.text_len - old_len)
+        if hit is None:
             return False
-        detok.truncate(search_from + best[0])
-        self.stop_reason = best[1]
+        detok.truncate(search_from + hit[0])
+        self.stop_reason = hit[1]
         self.status = RequestStatus.FINISHED_STOPPED
         return True
 
@@ -299,11 +304,12 @@ def request_group(
     ``Request``.
     """
     ids = list(prompt_token_ids)
+    stops = StopStrings(params.stop) if params.stop else None  # once for all n sequences
 
     def make(seq_id: str, index: int, p: SamplingParams, children: list[Request]) -> Request:
         detok = detokenizer(p) if detokenizer is not None and not children else None
         return Request(seq_id, ids, p, detokenizer=detok, group_id=request_id, index=index,
-                       children=children, **request_args)
+                       children=children, stop_strings=stops, **request_args)
 
     if params.n == 1:
         head = make(request_id, 0, params, [])

@@ -42,7 +42,7 @@ def build_output(
                     req_id=rid,
                     prompt_token_ids=list(req.prompt_token_ids),
                     output_token_ids=list(req.output_token_ids),
-                    sampling_params=req.sampling_params,
+                    sampling_params=req.worker_params,
                     block_ids=[list(ids) for ids in kv.get_block_ids(rid)],
                     num_computed_tokens=req.num_computed_tokens,
                 )

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from pagedserve.serving.cli.engine_args import add_engine_arguments, engine_options
+from pagedserve.serving.cli.limit_args import add_limit_arguments, limits_from_args
 
 __all__ = ["add_serve_parser", "engine_options", "run_serve"]
 
@@ -40,6 +41,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "while no interactive request is in progress or waiting (default 4)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    add_limit_arguments(p)
     add_engine_arguments(p)
     return p
 
@@ -55,6 +57,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.batch_max_in_flight < 1:
         print("pagedserve serve: --batch-max-in-flight must be >= 1", file=sys.stderr)
         return 2
+    try:
+        limits = limits_from_args(args)
+    except ValueError as exc:
+        print(f"pagedserve serve: {exc}", file=sys.stderr)
+        return 2
     if args.model is None:
         print("pagedserve: no --model given, serving the default model "
               "SmolLM2-135M-Instruct", file=sys.stderr)
@@ -68,7 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         serve(config, args.host, args.port, args.api_key, backend=args.backend,
               log_level=args.log_level, batch_dir=args.batch_dir or default_batch_dir(),
-              batch_max_in_flight=args.batch_max_in_flight)
+              batch_max_in_flight=args.batch_max_in_flight, limits=limits)
     except KeyboardInterrupt:
         pass
     return 0

@@ -9,7 +9,6 @@ those that arrived while the client was reading into one event.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,16 +19,21 @@ from pagedserve.messages import (
     CompletionDelta,
     CompletionOutput,
 )
+from pagedserve.serving.openai.cpu_pool import CpuPool
 from pagedserve.serving.openai.engine_run import (
     APIError,
     EngineRun,
     token_text,
     top_entries,
 )
+from pagedserve.serving.openai.render import render_json
 
 __all__ = ["Endpoint"]
 
-
+# A stream chunk costing more than this many token entries (each a detokenized token, with
+# its alternatives) is built off the event loop; below it the thread hop costs more than the
+# work (about 5 us an entry).
+_OFF_LOOP_ENTRIES = 1024
 
 @dataclass
 class Endpoint:
@@ -45,11 +49,19 @@ class Endpoint:
     top_n: int | None
     """Top alternatives per token when logprobs were asked for, else None."""
     echo: bool = False
+    pool: CpuPool | None = None
+    """Where large answers are built (None: on the caller's thread)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     # ------------------------------------------------------------------- non-streaming
     async def respond(self, is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+        """Wait for the whole answer and build it (off the event loop, with a pool)."""
         await self.run.wait(is_disconnected)
+        if self.pool is None:
+            return self._response()
+        return await self.pool.run(self._response)
+
+    def _response(self) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         for i, sub in enumerate(self.run.subs):
             assert sub.latest is not None
@@ -180,18 +192,13 @@ class Endpoint:
                 ]
                 yield self._event(obj, first)
             async for _ in self.run.updates():
-                choices = []
-                for i in range(len(self.run.subs)):
-                    merged: dict[int, CompletionDelta] = {}
-                    for delta in self.run.take_pending(i):
-                        for d in delta.completions:
-                            _merge(merged, d)
-                    for d in merged.values():
-                        choice = self._delta(i, d, states[i][d.index])
-                        if choice is not None:
-                            choices.append(choice)
-                if choices:
-                    yield self._event(obj, choices)
+                merged = [self._merged(i) for i in range(len(self.run.subs))]
+                if self.pool is not None and self._entries(merged, states) > _OFF_LOOP_ENTRIES:
+                    event = await self.pool.run(self._chunk, obj, merged, states)
+                else:
+                    event = self._chunk(obj, merged, states)
+                if event is not None:
+                    yield event
         except APIError as exc:
             yield _sse(exc.body())
             yield "data: [DONE]\n\n"
@@ -199,6 +206,37 @@ class Endpoint:
         if self.include_usage:
             yield self._event(obj, [], usage=self._usage())
         yield "data: [DONE]\n\n"
+
+    def _merged(self, sub_index: int) -> list[CompletionDelta]:
+        """The deltas of a request that arrived since the last event, one per completion."""
+        merged: dict[int, CompletionDelta] = {}
+        for delta in self.run.take_pending(sub_index):
+            for d in delta.completions:
+                _merge(merged, d)
+        return list(merged.values())
+
+    def _entries(self, merged: list[list[CompletionDelta]], states: list[list[_Sent]]) -> int:
+        """What the next event costs to build, in token entries: the new tokens, and the
+        prompt of a first echo chunk, each with its alternatives when logprobs are asked."""
+        per_token = 1 + (self.top_n or 0) if self.top_n is not None else 0
+        total = 0
+        for i, deltas in enumerate(merged):
+            for d in deltas:
+                total += len(d.token_ids) * per_token
+                if self.echo and not states[i][d.index].started:
+                    total += len(self.run.subs[i].prompt.token_ids) * max(1, per_token)
+        return total
+
+    def _chunk(
+        self, obj: str, merged: list[list[CompletionDelta]], states: list[list[_Sent]]
+    ) -> str | None:
+        choices = []
+        for i, deltas in enumerate(merged):
+            for d in deltas:
+                choice = self._delta(i, d, states[i][d.index])
+                if choice is not None:
+                    choices.append(choice)
+        return self._event(obj, choices) if choices else None
 
     def _delta(self, sub_index: int, d: CompletionDelta, sent: _Sent) -> dict[str, Any] | None:
         if sent.finished:
@@ -267,7 +305,8 @@ class _Sent:
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    # NaN passes as it always did in a stream (JSON has no NaN; a client parser may take it).
+    return f"data: {render_json(obj, allow_nan=True).decode()}\n\n"
 
 
 # -------------------------------------------------------------------------- preparation

@@ -10,6 +10,7 @@ coalesced into one event), feeds the metrics, and wakes whoever is waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import threading
@@ -35,6 +36,8 @@ from pagedserve.controller.errors import (
 )
 from pagedserve.controller.outputs import OutputAccumulator
 from pagedserve.messages import AddRequest, RequestDelta, RequestOutput, SamplingParams
+from pagedserve.serving.openai.cpu_pool import CpuPool
+from pagedserve.serving.openai.limits import ServerLimits
 from pagedserve.serving.openai.metrics import ServerMetrics
 
 __all__ = [
@@ -54,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 # How long an add may wait for the engine's verdict (it comes within one engine step).
 ADD_TIMEOUT_S = 120.0
+
+# How often a waiting answer asks whether its client is still there, output arriving or not: a
+# gone client's requests are aborted within this (plus one engine step).
+DISCONNECT_POLL_S = 0.25
 
 # Logprobs of -inf cannot travel in JSON.
 _MIN_LOGPROB = -9999.0
@@ -172,6 +179,9 @@ class ServerContext:
     metrics: ServerMetrics
     interactive: InFlight = field(default_factory=InFlight)
     """Interactive API calls in progress (the Batch API's lines are not counted)."""
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    pool: CpuPool = field(default_factory=CpuPool)
+    """Where tokenizing and response building run, off the event loop."""
 
 
 @dataclass(slots=True)
@@ -216,6 +226,7 @@ class EngineRun:
             for rid, p in zip(ids, prompts, strict=True)
         ]
         self._wake = asyncio.Event()
+        self._closed = False
 
     # ----------------------------------------------------------------------- submission
     async def start(self) -> None:
@@ -248,6 +259,14 @@ class EngineRun:
                 except Exception:  # the engine may be gone already; nothing left to free
                     pass
 
+    def close(self) -> None:
+        """Abort what still runs and drop every output not yet sent (a stream whose client
+        stopped reading): nothing of the run is kept any more."""
+        self.abort()
+        self._closed = True
+        for sub in self.subs:
+            sub.pending.clear()
+
     # --------------------------------------------------------------------------- outputs
     def _from_engine(
         self, loop: asyncio.AbstractEventLoop, index: int, delta: RequestDelta
@@ -263,7 +282,8 @@ class EngineRun:
         if sub.latest is not None and sub.latest.finished:
             return
         out = sub.acc.add(delta)
-        sub.pending.append(delta)
+        if not self._closed:  # closed: nobody will send it (the final delta still counts)
+            sub.pending.append(delta)
         now = time.monotonic()
         ntok = sum(len(c.token_ids) for c in out.outputs)
         if ntok > sub.counted_tokens:
@@ -310,10 +330,17 @@ class EngineRun:
         The wake flag, not ``finished``, drives the loop: a delta sets it on the event loop's
         thread, so one that lands before the first read, or while the caller handles the
         previous update (the final one included), is always followed by one more yield.
-        With ``is_disconnected``, poll it while waiting and raise ``ClientGone`` (after
-        aborting) when the client left; streaming responses detect that on their own.
+        With ``is_disconnected``, ask it every ``DISCONNECT_POLL_S``, output arriving or not,
+        and raise ``ClientGone`` (after aborting) when the client left; streaming responses
+        detect that on their own.
         """
+        asked = time.monotonic()
         while True:
+            if is_disconnected is not None and time.monotonic() - asked >= DISCONNECT_POLL_S:
+                if await is_disconnected():
+                    self.abort()
+                    raise ClientGone()
+                asked = time.monotonic()
             if self._wake.is_set():
                 self._wake.clear()
                 self.check_errors()
@@ -324,12 +351,8 @@ class EngineRun:
             if is_disconnected is None:
                 await self._wake.wait()
                 continue
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if await is_disconnected():
-                    self.abort()
-                    raise ClientGone() from None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=DISCONNECT_POLL_S)
 
     def check_errors(self) -> None:
         for sub in self.subs:

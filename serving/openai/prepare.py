@@ -20,9 +20,15 @@ from pagedserve.serving.openai.engine_run import (
     submit_error,
 )
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagedserve.serving.openai.request_checks import (
+    check_logprob_entries,
+    check_prompt_chars,
+    check_stops,
+)
 
 __all__ = [
-    "check_model_name", "prepare_chat", "prepare_completion", "render_chat", "warm_chat_template",
+    "check_model_name", "conversation_chars", "prepare_chat", "prepare_completion", "render_chat",
+    "warm_chat_template",
 ]
 
 # Request fields passed to SamplingParams unchanged when present.
@@ -132,21 +138,38 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> End
         raise _unsupported("best_of", "best_of other than n")
     if body.logit_bias:
         raise _unsupported("logit_bias", "logit_bias")
-    prompts = _completion_prompts(client, body.prompt)
+    check_stops(ctx.limits, body.stop)
     params = _sampling_params(body, body.max_tokens, body.logprobs, {}, echo=body.echo)
+    texts = _prompt_texts(body.prompt)
+    check_prompt_chars(ctx.limits, client.max_model_len, map(len, texts or ()), "prompt")
+    # Tokenizing a long prompt takes seconds: never on the event loop.
+    prompts = await ctx.pool.run(_completion_prompts, client, body.prompt, texts)
     _check_context(client, prompts, body.max_tokens, "prompt", "max_tokens")
+    check_logprob_entries(
+        ctx.limits, prompt_lens=[len(p.token_ids) for p in prompts], n=body.n,
+        max_tokens=body.max_tokens, top_n=body.logprobs, echo=body.echo,
+        max_model_len=client.max_model_len,
+    )
     request_id, run = _new_run(ctx, "cmpl", prompts, params, body.cache_salt)
     await _start(run, "prompt")
     return Endpoint(
         chat=False, client=client, run=run, request_id=request_id, model=client.model_name,
         stream=body.stream, include_usage=_include_usage(body), top_n=body.logprobs,
-        echo=body.echo,
+        echo=body.echo, pool=ctx.pool,
     )
 
 
-def _completion_prompts(client: EngineClient, prompt: Any) -> list[Prompt]:
-    if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
-        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+def _prompt_texts(prompt: Any) -> list[str] | None:
+    """The prompt's texts, one per prompt of a batch; None for token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return None
+
+
+def _completion_prompts(client: EngineClient, prompt: Any, texts: list[str] | None) -> list[Prompt]:
+    if texts is not None:
         if client.tokenizer is None:
             raise APIError(400, "text prompts need a tokenizer; send token ids", param="prompt")
         return [Prompt(t, client.tokenizer.encode(t)) for t in texts]
@@ -170,15 +193,28 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
     )
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     names = {"logprobs": "top_logprobs", "max_tokens": max_param}
+    check_stops(ctx.limits, body.stop)
     params = _sampling_params(body, max_tokens, top_n, names)
-    prompt = render_chat(client, body.messages)
+    check_prompt_chars(ctx.limits, client.max_model_len, [conversation_chars(body.messages)],
+                       "messages")
+    # The template (Jinja) and the tokenizer run off the event loop.
+    prompt = await ctx.pool.run(render_chat, client, body.messages)
     _check_context(client, [prompt], max_tokens, "messages", max_param)
+    check_logprob_entries(
+        ctx.limits, prompt_lens=[len(prompt.token_ids)], n=body.n, max_tokens=max_tokens,
+        top_n=top_n, echo=False, max_model_len=client.max_model_len,
+    )
     request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body.cache_salt)
     await _start(run, "messages")
     return Endpoint(
         chat=True, client=client, run=run, request_id=request_id, model=client.model_name,
-        stream=body.stream, include_usage=_include_usage(body), top_n=top_n,
+        stream=body.stream, include_usage=_include_usage(body), top_n=top_n, pool=ctx.pool,
     )
+
+
+def conversation_chars(chat: list[ChatMessage]) -> int:
+    """A conversation's size in characters, before the template adds its own."""
+    return sum(len(m.role) + len(m.text()) + len(m.name or "") for m in chat)
 
 
 def render_chat(client: EngineClient, chat: list[ChatMessage], add_prompt: bool = True) -> Prompt:

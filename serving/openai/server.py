@@ -25,10 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from pagedserve.config import EngineConfig
 from pagedserve.controller.client import EngineClient
+from pagedserve.serving.openai.cpu_pool import CpuPool
 from pagedserve.serving.openai.endpoint import Endpoint
 from pagedserve.serving.openai.engine_run import (
     APIError,
@@ -37,6 +38,8 @@ from pagedserve.serving.openai.engine_run import (
     ServerContext,
     validation_error,
 )
+from pagedserve.serving.openai.json_turns import JSONInTurns
+from pagedserve.serving.openai.limits import ServerLimits
 from pagedserve.serving.openai.metrics import ServerMetrics
 from pagedserve.serving.openai.prepare import prepare_chat, prepare_completion, warm_chat_template
 from pagedserve.serving.openai.protocol import (
@@ -46,6 +49,8 @@ from pagedserve.serving.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from pagedserve.serving.openai.read_limits import BodyLimits
+from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.request_ids import RequestIdMiddleware
 from pagedserve.serving.openai.tokenize_routes import tokenize_router
 
@@ -56,14 +61,23 @@ logger = logging.getLogger(__name__)
 UNPROTECTED_PATHS = frozenset({"/health"})
 
 
+class _StreamStalled(Exception):
+    """One write of a stream waited longer than the write timeout."""
+
+
 class _EngineStream(StreamingResponse):
     """A server-sent-event stream that aborts its engine requests however it ends.
 
     Starlette cancels the body when the client disconnects; the ``finally`` then aborts the
-    requests still running, so their KV blocks are freed at once.
+    requests still running, so their KV blocks are freed at once. A client that stays
+    connected but stops reading makes a write wait: past ``write_timeout_s`` the stream ends
+    the same way, and the output it had not sent is dropped.
     """
 
-    def __init__(self, content: Any, run: EngineRun, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, content: Any, run: EngineRun, on_close: Callable[[], None],
+        write_timeout_s: float | None,
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -71,13 +85,30 @@ class _EngineStream(StreamingResponse):
         )
         self._run = run
         self._on_close = on_close
+        self._write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self._write_timeout_s
+
+        async def timed_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:
+                raise _StreamStalled() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if timeout is None else timed_send)
+        except _StreamStalled:
+            # Returning without finishing the response makes the server close the connection.
+            logger.warning("a stream's client read nothing for %.0f s: aborting its "
+                           "requests %s", timeout, [s.request_id for s in self._run.subs])
         finally:
-            self._run.abort()
+            self._run.close()
             self._on_close()
+
+
+# The answers of read_limits (a body too slow or too large), as its own refusals code them.
+_READ_LIMIT_CODES = {408: "timeout", 413: "request_too_large"}
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -98,16 +129,21 @@ def build_app(
     api_key: str | None = None,
     batch_dir: str | os.PathLike[str] | None = None,
     batch_max_in_flight: int = 4,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The ASGI app serving ``client``. Metrics live in a registry owned by this app.
 
     With ``batch_dir`` the Batch API (``/v1/files``, ``/v1/batches``) keeps its state there
     and its runner starts at once, resuming unfinished batches; ``app.state.batches.close()``
-    stops it (``serve`` does).
+    stops it (``serve`` does). ``limits`` (None: the defaults) bound what one request may
+    cost; ``app.state.context.pool.close()`` stops its CPU threads (``serve`` does).
     """
+    limits = ServerLimits() if limits is None else limits
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
+    app.router.route_class = JSONInTurns
+    app.state.json_turn = asyncio.Lock()
     metrics = ServerMetrics(client)
-    ctx = ServerContext(client, metrics)
+    ctx = ServerContext(client, metrics, limits=limits, pool=CpuPool(limits.cpu_workers))
     app.state.client = client
     app.state.metrics = metrics
     app.state.context = ctx
@@ -126,7 +162,11 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(APIError(exc.status_code, str(exc.detail), type=kind))
+        code = _READ_LIMIT_CODES.get(exc.status_code)
+        resp = _error(APIError(exc.status_code, str(exc.detail), type=kind, code=code))
+        if code is not None:  # the body was not read to its end: no next request on it
+            resp.headers["Connection"] = "close"
+        return resp
 
     # ----------------------------------------------------------------------- auth
     if api_key is not None:
@@ -188,18 +228,25 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _interactive(ctx, prepare_chat(ctx, body), raw)
 
-    app.include_router(tokenize_router(client))
+    app.include_router(tokenize_router(ctx))
     app.state.batches = None
+    upload_limits: dict[str, int | None] = {}
     if batch_dir is not None:
-        from pagedserve.serving.batch_api.routes import batch_router
+        from pagedserve.serving.batch_api.routes import MAX_UPLOAD_BYTES, batch_router
         from pagedserve.serving.batch_api.runner import BatchRunner
         from pagedserve.serving.batch_api.store import BatchStore
+
+        # An upload has its own limit, plus room for the multipart framing around the file.
+        upload_limits["/v1/files"] = MAX_UPLOAD_BYTES + (1 << 20)
 
         runner = BatchRunner(BatchStore(batch_dir), ctx, max_in_flight=batch_max_in_flight)
         app.include_router(batch_router(runner))
         metrics.batch_in_flight.set_function(lambda: runner.in_flight)
         app.state.batches = runner
         runner.start()
+    # Outermost, so that a body over the limit is refused before anything reads it.
+    app.add_middleware(BodyLimits, max_bytes=limits.max_body_bytes,
+                       timeout_s=limits.body_timeout_s, path_limits=upload_limits)
     return app
 
 
@@ -213,15 +260,17 @@ async def _interactive(ctx: ServerContext, prepare: Awaitable[Endpoint], raw: Re
         ctx.interactive.exit()
         raise
     if endpoint.stream:
-        return _EngineStream(endpoint.stream_events(), endpoint.run, ctx.interactive.exit)
+        return _EngineStream(endpoint.stream_events(), endpoint.run, ctx.interactive.exit,
+                             ctx.limits.write_timeout_s)
     try:
         body = await endpoint.respond(raw.is_disconnected)
+        rendered = await ctx.pool.run(render_json, body)  # a large answer is megabytes
     except ClientGone:
         return Response(status_code=499)
     finally:
         endpoint.run.abort()  # a no-op when everything finished
         ctx.interactive.exit()
-    return JSONResponse(body)
+    return Response(rendered, media_type="application/json")
 
 
 def serve(
@@ -234,24 +283,32 @@ def serve(
     log_level: str = "info",
     batch_dir: str | os.PathLike[str] | None = None,
     batch_max_in_flight: int = 4,
+    limits: ServerLimits | None = None,
 ) -> None:
     """Start an engine for ``config`` and serve it until interrupted, then shut it down.
 
     ``backend`` (``ray`` / ``local``) goes to ``builder.start_engine``; None takes its default.
-    ``batch_dir`` holds the Batch API's files and batches (None: no Batch API).
+    ``batch_dir`` holds the Batch API's files and batches (None: no Batch API). ``limits``
+    (None: the defaults) bound requests, and give the server its header read timeout.
     """
     import uvicorn
 
     from pagedserve.builder import start_engine
+    from pagedserve.serving.openai.http_server import uvicorn_config
 
+    limits = ServerLimits() if limits is None else limits
     client = start_engine(config) if backend is None else start_engine(config, backend)
     app = None
     try:
         app = build_app(client, api_key=api_key, batch_dir=batch_dir,
-                        batch_max_in_flight=batch_max_in_flight)
+                        batch_max_in_flight=batch_max_in_flight, limits=limits)
         logger.info("serving %s on http://%s:%d", client.model_name, host, port)
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port,
+                                               log_level=log_level))
+        server.run()
     finally:
-        if app is not None and app.state.batches is not None:
-            app.state.batches.close()  # in-flight lines are redone by the next start
+        if app is not None:
+            if app.state.batches is not None:
+                app.state.batches.close()  # in-flight lines are redone by the next start
+            app.state.context.pool.close()
         client.shutdown()

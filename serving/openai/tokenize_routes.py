@@ -14,13 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import Response
 from pydantic import StrictStr
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.serving.openai.engine_run import APIError
-from pagedserve.serving.openai.prepare import check_model_name, render_chat
+from pagedserve.serving.openai.engine_run import APIError, ServerContext
+from pagedserve.serving.openai.json_turns import JSONInTurns
+from pagedserve.serving.openai.prepare import check_model_name, conversation_chars, render_chat
 from pagedserve.serving.openai.protocol import ERROR_RESPONSES, APIRequest, ChatMessage, TokenId
+from pagedserve.serving.openai.render import render_json
+from pagedserve.serving.openai.request_checks import check_prompt_chars
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "tokenize_router"]
 
@@ -81,16 +85,27 @@ def detokenize(client: EngineClient, body: DetokenizeRequest) -> dict[str, Any]:
     return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
 
 
-def tokenize_router(client: EngineClient) -> APIRouter:
-    """The two routes, over ``client``'s tokenizer (no engine round trip)."""
-    router = APIRouter()
+def tokenize_router(ctx: ServerContext) -> APIRouter:
+    """The two routes, over ``ctx.client``'s tokenizer (no engine round trip). The work and
+    the answer's JSON (a long prompt's ids) are done in ``ctx.pool``, off the event loop."""
+    router = APIRouter(route_class=JSONInTurns)
+    client = ctx.client
+    json_answer = {200: {"content": {"application/json": {}}}}
 
-    @router.post("/tokenize", responses=ERROR_RESPONSES)
-    async def _tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenize(client, body)
+    @router.post("/tokenize", response_class=Response,
+                 responses={**json_answer, **ERROR_RESPONSES})
+    async def _tokenize(body: TokenizeRequest) -> Response:
+        size = len(body.prompt) if body.prompt is not None else (
+            conversation_chars(body.messages) if body.messages is not None else 0)
+        param = "prompt" if body.prompt is not None else "messages"
+        check_prompt_chars(ctx.limits, client.max_model_len, [size], param)
+        answer = await ctx.pool.run(lambda: render_json(tokenize(client, body)))
+        return Response(answer, media_type="application/json")
 
-    @router.post("/detokenize", responses=ERROR_RESPONSES)
-    async def _detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return detokenize(client, body)
+    @router.post("/detokenize", response_class=Response,
+                 responses={**json_answer, **ERROR_RESPONSES})
+    async def _detokenize(body: DetokenizeRequest) -> Response:
+        answer = await ctx.pool.run(lambda: render_json(detokenize(client, body)))
+        return Response(answer, media_type="application/json")
 
     return router
