@@ -1,10 +1,12 @@
 """``BodyLimits``: an ASGI middleware bounding what a request body may cost while it is read.
 
 * Size: a body whose ``Content-Length`` is over the limit is refused with 413 before the app
-  sees any of it; one without (chunked) as soon as the bytes read pass the limit. Either way
-  the rest is read and dropped, never buffered, until it ends or the body timeout passes, and
-  only then answered (the connection closed after): a client sends its whole body before it
-  reads the answer, and one cut off mid-upload sees a reset instead of the 413.
+  sees any of it; one without (chunked) as soon as the bytes read pass the limit. A client that
+  sent ``Expect: 100-continue`` has not sent its body and waits for leave to: it is answered at
+  once, and never sends it. Otherwise the rest is read and dropped, never buffered, until it
+  ends or the body timeout passes, and only then answered (the connection closed after): most
+  clients send their whole body before they read the answer, and one cut off mid-upload sees a
+  reset instead of the 413.
 * Time: the whole body must arrive within the body timeout of the headers (408 past it): a
   client that sends a few bytes and stalls, or drips them, cannot hold the request open.
 
@@ -70,7 +72,8 @@ class BodyLimits:
         loop = asyncio.get_running_loop()
         deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
         if limit is not None and declared is not None and declared > limit:
-            await _drain(receive, deadline)
+            if not _expects_continue(scope):  # the body is on its way: take it in first
+                await _drain(receive, deadline)
             await _refuse(BodyTooLarge(limit))(scope, receive, send)
             return
         received = 0
@@ -126,6 +129,10 @@ def _content_length(scope: Scope) -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None  # the server's HTTP parser refuses it
+
+
+def _expects_continue(scope: Scope) -> bool:
+    return Headers(scope=scope).get("expect", "").lower() == "100-continue"
 
 
 def _refuse(exc: HTTPException) -> JSONResponse:
