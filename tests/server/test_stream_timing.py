@@ -124,7 +124,15 @@ def test_final_delta_lands_while_an_event_is_written(chat: bool) -> None:
     assert (text, reasons, done) == ("xyz", ["stop"], True)
 
 
-def test_an_error_before_the_first_read_ends_the_stream_with_its_error_event() -> None:
+def _logged_under(caplog: pytest.LogCaptureFixture, message: str) -> str:
+    """The request id the engine's error text was logged under (a 500 shows only the id)."""
+    ids = [r.args[0] for r in caplog.records if isinstance(r.args, tuple) and r.args
+           and message in r.getMessage()]
+    assert ids, f"{message!r} was not logged"
+    return str(ids[0])
+
+
+def test_an_error_before_the_first_read_ends_the_stream_with_its_error_event(caplog) -> None:
     async def main() -> list[str]:
         client = ScriptedClient([_delta("a"), _delta("", "error", error="rank 0 died")])
         endpoint = await _endpoint(client)
@@ -133,15 +141,19 @@ def test_an_error_before_the_first_read_ends_the_stream_with_its_error_event() -
 
     events = asyncio.run(main())
     assert events[-1] == "data: [DONE]\n\n"
-    assert "rank 0 died" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+    request_id = _logged_under(caplog, "rank 0 died")
+    message = json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+    assert message == f"internal error (request id {request_id})"
 
 
-def test_a_non_streamed_wait_still_raises_a_late_error() -> None:
+def test_a_non_streamed_wait_still_raises_a_late_error(caplog) -> None:
     async def main() -> None:
         client = ScriptedClient([_delta("a"), _delta("", "error", error="boom")])
         endpoint = await _endpoint(client)
         await asyncio.sleep(0)
         await endpoint.run.wait()
 
-    with pytest.raises(APIError, match="boom"):
+    with pytest.raises(APIError, match="internal error") as info:
         asyncio.run(main())
+    assert info.value.status == 500
+    assert info.value.message == f"internal error (request id {_logged_under(caplog, 'boom')})"
