@@ -240,7 +240,8 @@ class EngineCore:
             sched.finish_requests([head.request_id], RequestStatus.FINISHED_ABORTED)
             return []
         sched.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
-        return [failed_delta(group.request_id, [s.index for s in group.seqs], reason)]
+        return [failed_delta(group.request_id, [s.index for s in group.seqs], reason,
+                             RequestFailedError.__name__)]
 
     # ------------------------------------------------------------------- faults
     def _fail_rejected(self, so: SchedulerOutput, errors: dict[str, str]) -> list[RequestDelta]:

@@ -79,7 +79,8 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this request alone while serving it (the workers could not take a
-    value that the checks at admission missed); the other requests and the engine carry on."""
+    value that the checks at admission missed, or it could not be scheduled); the other
+    requests and the engine carry on."""
 
 
 _BY_CODE: dict[str, type[Exception]] = {

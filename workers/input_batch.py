@@ -85,7 +85,7 @@ class InputBatch:
         row = self._free_row()
         self.req_ids[row] = req.req_id
         self.index_of[req.req_id] = row
-        self.token_ids[row, : len(tokens)] = tokens
+        self.token_ids[row, : len(tokens)] = ids
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(req.prompt_token_ids)
         self.num_computed_tokens[row] = req.num_computed_tokens

@@ -126,7 +126,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     """The 400 answer to a body that failed pydantic validation (pydantic's ``errors()``)."""
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    # A union reports every branch that did not apply; a failed check (ours) says why.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('msg', '')}")

@@ -54,6 +54,7 @@ TopP = _bounded(float, RANGES["top_p"])
 MinP = _bounded(float, RANGES["min_p"])
 Penalty = _bounded(float, RANGES["presence_penalty"])  # presence and frequency alike
 RepetitionPenalty = _bounded(float, RANGES["repetition_penalty"])
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's bounds
 
 
 def _check_text(value: Any) -> None:
@@ -105,7 +106,7 @@ class _SamplingFields(APIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, LogitBias] | None = None  # refused when not empty, bounded all the same
     # extensions
     top_k: TopK | None = None
     min_p: MinP | None = None

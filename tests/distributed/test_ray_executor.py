@@ -36,7 +36,7 @@ from pagedserve.config import (
     SchedulerConfig,
 )
 from pagedserve.controller.engine_core import EngineCore
-from pagedserve.controller.errors import EngineDeadError
+from pagedserve.controller.errors import EngineDeadError, RequestFailedError
 from pagedserve.controller.executor import LocalExecutor, WorkerGroupError
 from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.messages import SamplingParams
@@ -178,6 +178,31 @@ def test_tp4_with_four_kv_heads(ray_local, ckpt_root, request):
     engine = _ray_engine(request, _config(path, tp=4))
     assert engine.worker_report.layer_specs[0].num_kv_heads == 1  # 4 KV heads over 4 ranks
     assert _generate(engine) == _reference(path)
+
+
+def test_a_request_every_rank_rejects_fails_alone(ray_local, ckpt_root, request):
+    """A prompt token past the vocabulary (the controller told a larger one, so its check lets
+    it through) is rejected by both ranks alike: over the wire, that request fails with a typed
+    error, the others produce what they produce alone, and the group is never rebuilt."""
+    path = _checkpoint(ckpt_root, "llama", 2)
+    expected = _reference(path)
+    engine = _ray_engine(request, _config(path, tp=2))
+    vocab = engine.vocab_size
+    engine.vocab_size = vocab + 100
+    engine.add_request("bad", [1, 17, vocab + 3, 4], GREEDY)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    engine.vocab_size = vocab
+    done = {}
+    deadline = time.monotonic() + 120
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, "generation did not finish"
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["bad"].error_code == RequestFailedError.__name__
+    assert "vocabulary" in done["bad"].error
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == expected
+    assert engine.num_restarts == 0 and engine.restarts.recent_failures == 0 and engine.healthy
+    assert _generate(engine, PROMPTS[:1], prefix="after") == expected[:1]
 
 
 def _wait_dead(actor, timeout_s: float = 10.0) -> None:

@@ -7,7 +7,8 @@ forward pass) and checks that every position a request attends to holds that req
 So prefix hits, copy-on-write, tier copies and preemption are checked end to end. Each
 request's next token depends on its own last token (and seed) only, so what it produces is the
 same whatever it is batched with and whether it was preempted. Faults on cue: ``fail`` (one
-step raises), ``restart_failures``; subclasses override ``execute`` or ``sample`` for others.
+step raises), ``restart_failures``, ``reject`` (a new request the worker cannot take);
+subclasses override ``execute`` or ``sample`` for others.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedserve.messages import (
     KVCacheLayout,
     LayerKVSpec,
     ModelRunnerOutput,
+    NewRequestData,
     SamplingParams,
     SchedulerOutput,
     WorkerReport,
@@ -69,6 +71,11 @@ class FakeExecutor:
     fail_at_step: int = 0
     restart_failures: int = 0
     """How many ``restart`` calls fail (a placement group that is not ready) before one works."""
+    reject: Callable[[NewRequestData], str | None] | None = None
+    """A new request for which this returns an error is rejected as a worker rejects one it
+    cannot take: not added, nothing of it computed, the error in ``request_errors``. In this
+    mode a read of KV that does not hold the reader's token is recorded in ``bad_reads`` (and
+    samples ``vocab_size - 1``) instead of failing the step: what a real worker would do."""
 
     def __post_init__(self) -> None:
         self.rows: dict[str, Row] = {}
@@ -79,6 +86,8 @@ class FakeExecutor:
         self.shut = False
         self.restarts = 0
         self.restart_times: list[float] = []
+        self.rejected: set[str] = set()
+        self.bad_reads: list[tuple[str, int]] = []
 
     def initialize(self) -> WorkerReport:
         full = LayerKVSpec(num_kv_heads=2, head_size=8, dtype_bytes=2)
@@ -130,10 +139,16 @@ class FakeExecutor:
         assert self.layout is not None
         bs = self.layout.block_size
         for rid in so.finished_req_ids:
-            assert rid in self.rows, f"drop of unknown {rid}"
-            del self.rows[rid]
+            assert rid in self.rows or rid in self.rejected, f"drop of unknown {rid}"
+            self.rows.pop(rid, None)
+        errors: dict[str, str] = {}
         for nr in so.new_reqs:
             assert nr.req_id not in self.rows, f"{nr.req_id} added twice"
+            error = self.reject(nr) if self.reject is not None else None
+            if error is not None:
+                errors[nr.req_id] = error
+                self.rejected.add(nr.req_id)
+                continue
             self.rows[nr.req_id] = Row(
                 list(nr.prompt_token_ids) + list(nr.output_token_ids),
                 nr.num_computed_tokens,
@@ -164,7 +179,8 @@ class FakeExecutor:
         for src, dst in so.block_copies:
             self.pool[dst] = list(self.pool.get(src, [None] * bs))
         # Write every scheduled token of the batch, then read: the forward-pass order.
-        for rid, n in so.num_scheduled_tokens.items():
+        scheduled = {r: n for r, n in so.num_scheduled_tokens.items() if r not in errors}
+        for rid, n in scheduled.items():
             row = self.rows[rid]
             end = row.computed + n
             assert 0 < n and end <= len(row.tokens), (rid, row.computed, n, len(row.tokens))
@@ -173,22 +189,27 @@ class FakeExecutor:
                     b = g[p // bs]
                     assert b != 0, "write into the null block"
                     self.pool.setdefault(b, [None] * bs)[p % bs] = row.tokens[p]
-        out = ModelRunnerOutput(step_id=so.step_id)
-        for rid, n in so.num_scheduled_tokens.items():
+        out = ModelRunnerOutput(step_id=so.step_id, request_errors=errors)
+        for rid, n in scheduled.items():
             row = self.rows[rid]
             end = row.computed + n
+            bad = False
             for g, ids in enumerate(row.blocks):
                 window = self.layer_specs[self.layout.groups[g][0]].sliding_window
                 # The first token of this chunk attends back to (computed - window, computed].
                 first = max(0, end - n - window + 1) if window else 0
                 for p in range(first, end):
-                    got = self.pool[ids[p // bs]][p % bs]
+                    got = self.pool.get(ids[p // bs], [None] * bs)[p % bs]
+                    if got != row.tokens[p] and self.reject is not None:
+                        self.bad_reads.append((rid, p))
+                        bad = True
+                        continue
                     assert got == row.tokens[p], (
                         f"{rid}: KV at {p} holds {got}, not {row.tokens[p]}"
                     )
             row.computed = end
             if end == len(row.tokens):
-                tok = self.sample(rid, row)
+                tok = self.vocab_size - 1 if bad else self.sample(rid, row)
                 row.emitted += 1
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append([tok])
