@@ -47,14 +47,17 @@ def _aborted(http: httpx.Client) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _post(port: int, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+def _post(
+    port: int, path: str, body: dict, rcvbuf: int | None = None, key: str | None = None
+) -> socket.socket:
     sock = socket.socket()
     if rcvbuf is not None:  # before connecting, so the window stays small
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
-    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), auth, len(data), data))
     return sock
 
 
@@ -80,14 +83,18 @@ def test_a_gone_client_is_aborted_while_output_keeps_arriving(client, srv) -> No
 STALL = ServerLimits(write_timeout_s=0.5)
 
 
-def test_streams_nobody_reads_are_aborted_and_dropped(client, srv) -> None:
-    app = build_app(client, limits=STALL)
+@pytest.mark.parametrize("key", [None, "k"], ids=["open", "api-key"])
+def test_streams_nobody_reads_are_aborted_and_dropped(client, srv, key) -> None:
+    """With an API key the stream is relayed through the key check's own task: the write
+    timeout holds there too."""
+    app = build_app(client, limits=STALL, api_key=key)
     body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 300,
             "n": 4, "logprobs": True, "top_logprobs": 20, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
     with live_server(app, STALL, sndbuf=4096) as url:
         port = int(url.rsplit(":", 1)[1])
-        socks = [_post(port, "/v1/chat/completions", body, rcvbuf=4096) for _ in range(4)]
+        socks = [_post(port, "/v1/chat/completions", body, rcvbuf=4096, key=key)
+                 for _ in range(4)]
         try:
             ctx = app.state.context
             assert srv.wait_until(lambda: ctx.interactive.count == 4, timeout=30)
