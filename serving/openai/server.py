@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from pagedserve.config import EngineConfig
 from pagedserve.controller.client import EngineClient
@@ -53,6 +53,7 @@ from pagedserve.serving.openai.read_limits import BodyLimits
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.request_ids import RequestIdMiddleware
 from pagedserve.serving.openai.tokenize_routes import tokenize_router
+from pagedserve.serving.openai.write_timeout import WriteTimeout
 
 __all__ = ["build_app", "serve"]
 
@@ -61,23 +62,15 @@ logger = logging.getLogger(__name__)
 UNPROTECTED_PATHS = frozenset({"/health"})
 
 
-class _StreamStalled(Exception):
-    """One write of a stream waited longer than the write timeout."""
-
-
 class _EngineStream(StreamingResponse):
     """A server-sent-event stream that aborts its engine requests however it ends.
 
-    Starlette cancels the body when the client disconnects; the ``finally`` then aborts the
-    requests still running, so their KV blocks are freed at once. A client that stays
-    connected but stops reading makes a write wait: past ``write_timeout_s`` the stream ends
-    the same way, and the output it had not sent is dropped.
+    Starlette cancels the body when the client disconnects, and ``WriteTimeout`` unwinds it
+    when the client stops reading; the ``finally`` then aborts the requests still running, so
+    their KV blocks are freed at once, and drops the output not yet sent.
     """
 
-    def __init__(
-        self, content: Any, run: EngineRun, on_close: Callable[[], None],
-        write_timeout_s: float | None,
-    ) -> None:
+    def __init__(self, content: Any, run: EngineRun, on_close: Callable[[], None]) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -85,23 +78,10 @@ class _EngineStream(StreamingResponse):
         )
         self._run = run
         self._on_close = on_close
-        self._write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        timeout = self._write_timeout_s
-
-        async def timed_send(message: Message) -> None:
-            try:
-                await asyncio.wait_for(send(message), timeout)
-            except asyncio.TimeoutError:
-                raise _StreamStalled() from None
-
         try:
-            await super().__call__(scope, receive, send if timeout is None else timed_send)
-        except _StreamStalled:
-            # Returning without finishing the response makes the server close the connection.
-            logger.warning("a stream's client read nothing for %.0f s: aborting its "
-                           "requests %s", timeout, [s.request_id for s in self._run.subs])
+            await super().__call__(scope, receive, send)
         finally:
             self._run.close()
             self._on_close()
@@ -244,9 +224,11 @@ def build_app(
         metrics.batch_in_flight.set_function(lambda: runner.in_flight)
         app.state.batches = runner
         runner.start()
-    # Outermost, so that a body over the limit is refused before anything reads it.
+    # Outermost (added last), so that a body over the limit is refused before anything reads
+    # it, and every write to the server is bounded, whatever relays it.
     app.add_middleware(BodyLimits, max_bytes=limits.max_body_bytes,
                        timeout_s=limits.body_timeout_s, path_limits=upload_limits)
+    app.add_middleware(WriteTimeout, timeout_s=limits.write_timeout_s)
     return app
 
 
@@ -260,8 +242,7 @@ async def _interactive(ctx: ServerContext, prepare: Awaitable[Endpoint], raw: Re
         ctx.interactive.exit()
         raise
     if endpoint.stream:
-        return _EngineStream(endpoint.stream_events(), endpoint.run, ctx.interactive.exit,
-                             ctx.limits.write_timeout_s)
+        return _EngineStream(endpoint.stream_events(), endpoint.run, ctx.interactive.exit)
     try:
         body = await endpoint.respond(raw.is_disconnected)
         rendered = await ctx.pool.run(render_json, body)  # a large answer is megabytes
