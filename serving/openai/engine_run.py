@@ -140,6 +140,8 @@ class ServerContext:
     metrics: ServerMetrics
     interactive: InFlight = field(default_factory=InFlight)
     """Interactive API calls in progress (the Batch API's lines are not counted)."""
+    allow_special_tokens_in_content: bool = False
+    """Chat messages' control-token text (``</s>``) becomes real tokens instead of text."""
 
 
 @dataclass(slots=True)

@@ -96,16 +96,19 @@ def build_app(
     api_key: str | None = None,
     batch_dir: str | os.PathLike[str] | None = None,
     batch_max_in_flight: int = 4,
+    allow_special_tokens_in_content: bool = False,
 ) -> FastAPI:
     """The ASGI app serving ``client``. Metrics live in a registry owned by this app.
 
     With ``batch_dir`` the Batch API (``/v1/files``, ``/v1/batches``) keeps its state there
     and its runner starts at once, resuming unfinished batches; ``app.state.batches.close()``
-    stops it (``serve`` does).
+    stops it (``serve`` does). Control-token text in chat messages (``</s>``) is tokenized as
+    text unless ``allow_special_tokens_in_content``.
     """
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
     metrics = ServerMetrics(client)
-    ctx = ServerContext(client, metrics)
+    ctx = ServerContext(client, metrics,
+                        allow_special_tokens_in_content=allow_special_tokens_in_content)
     app.state.client = client
     app.state.metrics = metrics
     app.state.context = ctx
@@ -188,7 +191,8 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _interactive(ctx, prepare_chat(ctx, body), raw)
 
-    app.include_router(tokenize_router(client))
+    app.include_router(tokenize_router(
+        client, allow_special_tokens_in_content=allow_special_tokens_in_content))
     app.state.batches = None
     if batch_dir is not None:
         from pagedserve.serving.batch_api.routes import batch_router
@@ -234,6 +238,7 @@ def serve(
     log_level: str = "info",
     batch_dir: str | os.PathLike[str] | None = None,
     batch_max_in_flight: int = 4,
+    allow_special_tokens_in_content: bool = False,
 ) -> None:
     """Start an engine for ``config`` and serve it until interrupted, then shut it down.
 
@@ -248,7 +253,8 @@ def serve(
     app = None
     try:
         app = build_app(client, api_key=api_key, batch_dir=batch_dir,
-                        batch_max_in_flight=batch_max_in_flight)
+                        batch_max_in_flight=batch_max_in_flight,
+                        allow_special_tokens_in_content=allow_special_tokens_in_content)
         logger.info("serving %s on http://%s:%d", client.model_name, host, port)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:

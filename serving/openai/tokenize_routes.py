@@ -51,7 +51,9 @@ def _tokenizer(client: EngineClient, model: str | None) -> Tokenizer:
     return client.tokenizer
 
 
-def tokenize(client: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
+def tokenize(
+    client: EngineClient, body: TokenizeRequest, allow_special_tokens: bool = False
+) -> dict[str, Any]:
     tok = _tokenizer(client, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
@@ -62,10 +64,11 @@ def tokenize(client: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
         assert body.messages is not None
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        rendered = render_chat(client, body.messages, body.add_generation_prompt)
+        rendered = render_chat(client, body.messages, body.add_generation_prompt,
+                               allow_special_tokens=allow_special_tokens)
         ids = rendered.token_ids
-        if body.add_special_tokens:
-            ids = list(tok.hf.encode(rendered.text or "", add_special_tokens=True))
+        if body.add_special_tokens:  # around the ids: encoding the text again would read
+            ids = tok.with_special_tokens(ids)  # the messages' control-token text as tokens
     strs = [str(s) for s in tok.hf.convert_ids_to_tokens(ids)] if body.return_token_strs else None
     return {
         "count": len(ids), "max_model_len": client.max_model_len, "tokens": ids,
@@ -85,13 +88,16 @@ def detokenize(client: EngineClient, body: DetokenizeRequest) -> dict[str, Any]:
     return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
 
 
-def tokenize_router(client: EngineClient) -> APIRouter:
-    """The two routes, over ``client``'s tokenizer (no engine round trip)."""
+def tokenize_router(
+    client: EngineClient, *, allow_special_tokens_in_content: bool = False
+) -> APIRouter:
+    """The two routes, over ``client``'s tokenizer (no engine round trip); messages render
+    as ``/v1/chat/completions`` renders them (``allow_special_tokens_in_content`` alike)."""
     router = APIRouter()
 
     @router.post("/tokenize", responses=ERROR_RESPONSES)
     async def _tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenize(client, body)
+        return tokenize(client, body, allow_special_tokens_in_content)
 
     @router.post("/detokenize", responses=ERROR_RESPONSES)
     async def _detokenize(body: DetokenizeRequest) -> dict[str, Any]:
