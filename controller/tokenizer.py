@@ -34,6 +34,7 @@ class Tokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         cleanup = getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
         self._fast_decode = backend.decode if backend is not None and not cleanup else None
+        self._control: dict[str, tuple[str, ...]] = {}
 
     @classmethod
     def from_pretrained(cls, path: str) -> Tokenizer:
@@ -50,6 +51,49 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` as plain text: no added token, special or not, is recognised in it (what
+        a chat message's ``</s>`` must stay). No special tokens are added around it."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:  # a slow tokenizer: its own switch, for the special tokens
+            return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+        # The backend's pipeline without its added-token matching.
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        splits = [text]
+        if backend.pre_tokenizer is not None:
+            splits = [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+        return [tok.id for piece in splits for tok in backend.model.tokenize(piece)]
+
+    def control_tokens(self, chat_template: str | None) -> tuple[str, ...]:
+        """The added tokens only a chat template may write: every special token, and the
+        other added tokens its text holds (role markers a tokenizer does not flag as special),
+        whitespace tokens aside (templates write those as text)."""
+        key = chat_template or ""
+        cached = self._control.get(key)
+        if cached is None:
+            added = getattr(self.hf, "added_tokens_decoder", None) or {}
+            tokens = {str(t) for t in getattr(self.hf, "all_special_tokens", ())}
+            for tok in added.values():
+                text = str(getattr(tok, "content", tok))
+                if getattr(tok, "special", False) or (text in key and not text.isspace()):
+                    tokens.add(text)
+            cached = self._control[key] = tuple(sorted(t for t in tokens if t))
+        return cached
+
+    def with_special_tokens(self, token_ids: Sequence[int]) -> list[int]:
+        """``token_ids`` with the special tokens ``encode`` adds around a text (BOS, ...)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        post = getattr(backend, "post_processor", None)
+        if post is None:
+            build = getattr(self.hf, "build_inputs_with_special_tokens", None)
+            return list(build(list(token_ids))) if build is not None else list(token_ids)
+        # Where the sequence goes in the template: around one plain token.
+        enc = post.process(backend.encode("a", add_special_tokens=False))
+        mask = list(enc.special_tokens_mask)
+        first, last = mask.index(0), len(mask) - mask[::-1].index(0)
+        return [*enc.ids[:first], *token_ids, *enc.ids[last:]]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = list(token_ids)

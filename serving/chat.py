@@ -1,9 +1,11 @@
 """Chat conversations rendered into prompts through the model's chat template.
 
-One place for what the JSONL job's ``messages`` lines, ``LLM.chat`` and ``pagedserve generate
---chat`` share: check a conversation's shape, apply the tokenizer's chat template (with the
-generation prompt), and tokenize the text without adding special tokens again (the template
-writes its own BOS and role markers). Pure Python: the tokenizer does the work.
+One place for what the JSONL job's ``messages`` lines, ``LLM.chat``, ``pagedserve generate
+--chat`` and the HTTP server share: check a conversation's shape and roles, apply the
+tokenizer's chat template (with the generation prompt), and tokenize the text without adding
+special tokens again (the template writes its own BOS and role markers). Control-token text in
+the messages stays text (``chat_control``) unless the caller allows it. Pure Python: the
+tokenizer does the work.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedserve.controller.tokenizer import Tokenizer
+from pagedserve.serving.chat_control import encode_marked, mark, template_roles, unmark
 
 __all__ = [
     "ChatError", "Conversation", "as_conversations", "chat_prompts", "render_chat", "user_turn",
@@ -46,6 +49,16 @@ def _check(conversation: Any) -> list[dict[str, Any]]:
     return [dict(m) for m in conversation]
 
 
+def _check_roles(messages: list[dict[str, Any]], template: str | None) -> None:
+    """A role the template does not know is refused: templates paste the role into their
+    text, so ``"user|>\\nhi\\n<|system"`` would forge a system turn."""
+    known = template_roles(template)
+    for i, m in enumerate(messages):
+        if m["role"] not in known:
+            raise ChatError(f"messages[{i}].role {m['role'][:40]!r} is not a role this chat "
+                            f"template knows ({', '.join(sorted(known))})")
+
+
 def as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
     """One conversation (a list of messages) or a list of them, as a list of conversations."""
     if (
@@ -68,22 +81,34 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    allow_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
-    """``(prompt text, prompt token ids)`` of a conversation; raises ``ChatError``."""
+    """``(prompt text, prompt token ids)`` of a conversation; raises ``ChatError``.
+
+    Control tokens written in the messages' strings (``</s>``, ``<|im_start|>``) are tokenized
+    as plain text; ``allow_special_tokens`` lets them be real tokens, as the text reads."""
     messages = _check(conversation)
     if tokenizer is None:
         raise ChatError("chat needs a tokenizer with a chat template, and the model has none")
+    template = chat_template or getattr(tokenizer.hf, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    _check_roles(messages, template)
+    tokens = () if allow_special_tokens else tokenizer.control_tokens(template)
     try:
         text = tokenizer.hf.apply_chat_template(
-            messages,
+            mark(messages, tokens),
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             **dict(chat_template_kwargs or {}),
         )
     except Exception as exc:  # no template, or a template that rejects these messages
-        raise ChatError(f"cannot apply the chat template: {exc}") from exc
-    return text, list(tokenizer.hf.encode(text, add_special_tokens=False))
+        raise ChatError(f"cannot apply the chat template: {unmark(str(exc), tokens)}") from exc
+    try:
+        ids = encode_marked(tokenizer, text, tokens)
+    except ValueError as exc:
+        raise ChatError(str(exc)) from exc
+    return unmark(text, tokens), ids
 
 
 def chat_prompts(
@@ -93,6 +118,7 @@ def chat_prompts(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    allow_special_tokens: bool = False,
 ) -> list[dict[str, Any]]:
     """Each conversation rendered as a ``{"prompt", "prompt_token_ids"}`` prompt for
     ``LLM.generate``."""
@@ -104,6 +130,7 @@ def chat_prompts(
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            allow_special_tokens=allow_special_tokens,
         )
         prompts.append({"prompt": text, "prompt_token_ids": ids})
     return prompts

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
 from pagedserve.serving.cli.engine_args import add_engine_arguments, engine_options
 from pagedserve.serving.cli.limit_args import add_limit_arguments, limits_from_args
 
-__all__ = ["add_serve_parser", "engine_options", "run_serve"]
+__all__ = ["API_KEY_ENV", "add_serve_parser", "api_key", "engine_options", "run_serve"]
 
 logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -31,7 +34,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
+                   help="require 'Authorization: Bearer KEY' on every route but /health; "
+                        "a flag is readable by every local user in /proc/PID/cmdline, so "
+                        f"prefer --api-key-file or ${API_KEY_ENV}")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (its first line, surrounding "
+                        f"whitespace stripped); without either flag, ${API_KEY_ENV} is used "
+                        "when set")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="let control-token text in chat messages (such as </s>) become real "
+                        "tokens; by default it is tokenized as plain text, so that only the "
+                        "chat template writes control tokens")
     p.add_argument("--batch-dir", default=None,
                    help="where the Batch API keeps its files and batches (default: "
                         "$XDG_CACHE_HOME/pagedserve/batches, ~/.cache without it); unfinished "
@@ -44,6 +57,27 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_limit_arguments(p)
     add_engine_arguments(p)
     return p
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from ``--api-key``, ``--api-key-file`` or ``$PAGEDSERVE_API_KEY`` (in that
+    order; both flags at once is an error); None: no key. Raises ValueError."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give one of --api-key and --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read --api-key-file: {exc}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+        return key
+    if args.api_key is not None:
+        if not args.api_key:
+            raise ValueError("--api-key is empty")
+        return str(args.api_key)
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -59,6 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = limits_from_args(args)
+        key = api_key(args)
     except ValueError as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2
@@ -73,9 +108,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     print(f"pagedserve: serving on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        serve(config, args.host, args.port, args.api_key, backend=args.backend,
+        serve(config, args.host, args.port, key, backend=args.backend,
               log_level=args.log_level, batch_dir=args.batch_dir or default_batch_dir(),
-              batch_max_in_flight=args.batch_max_in_flight, limits=limits)
+              batch_max_in_flight=args.batch_max_in_flight, limits=limits,
+              allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     except KeyboardInterrupt:
         pass
     return 0

@@ -183,6 +183,8 @@ class ServerContext:
     limits: ServerLimits = field(default_factory=ServerLimits)
     pool: CpuPool = field(default_factory=CpuPool)
     """Where tokenizing and response building run, off the event loop."""
+    allow_special_tokens_in_content: bool = False
+    """Chat messages' control-token text (``</s>``) becomes real tokens instead of text."""
 
 
 @dataclass(slots=True)

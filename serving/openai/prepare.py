@@ -10,6 +10,8 @@ from typing import Any
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.messages import SamplingParams, SamplingParamsError
+from pagedserve.serving.chat import ChatError
+from pagedserve.serving.chat import render_chat as render_conversation
 from pagedserve.serving.openai.endpoint import Endpoint
 from pagedserve.serving.openai.engine_run import (
     APIError,
@@ -198,7 +200,8 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
     check_prompt_chars(ctx.limits, client.max_model_len, [conversation_chars(body.messages)],
                        "messages")
     # The template (Jinja) and the tokenizer run off the event loop.
-    prompt = await ctx.pool.run(render_chat, client, body.messages)
+    prompt = await ctx.pool.run(render_chat, client, body.messages,
+                                allow_special_tokens=ctx.allow_special_tokens_in_content)
     _check_context(client, [prompt], max_tokens, "messages", max_param)
     check_logprob_entries(
         ctx.limits, prompt_lens=[len(prompt.token_ids)], n=body.n, max_tokens=max_tokens,
@@ -217,8 +220,13 @@ def conversation_chars(chat: list[ChatMessage]) -> int:
     return sum(len(m.role) + len(m.text()) + len(m.name or "") for m in chat)
 
 
-def render_chat(client: EngineClient, chat: list[ChatMessage], add_prompt: bool = True) -> Prompt:
-    """A conversation through the chat template (``add_prompt``: open the assistant's turn)."""
+def render_chat(
+    client: EngineClient, chat: list[ChatMessage], add_prompt: bool = True, *,
+    allow_special_tokens: bool = False,
+) -> Prompt:
+    """A conversation through the chat template (``add_prompt``: open the assistant's turn),
+    as ``serving.chat.render_chat`` renders it for every caller (control-token text in the
+    messages stays text unless ``allow_special_tokens``; unknown roles refused)."""
     tok = client.tokenizer
     if tok is None:
         raise APIError(400, "chat needs a tokenizer with a chat template", param="messages")
@@ -229,11 +237,10 @@ def render_chat(client: EngineClient, chat: list[ChatMessage], add_prompt: bool 
             msg["name"] = m.name
         msgs.append(msg)
     try:
-        text = tok.hf.apply_chat_template(msgs, add_generation_prompt=add_prompt, tokenize=False)
-    except Exception as exc:  # no template, or the template rejected the conversation
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-    # The template already holds the special tokens (BOS and so on).
-    ids = list(tok.hf.encode(text, add_special_tokens=False))
+        text, ids = render_conversation(tok, msgs, add_generation_prompt=add_prompt,
+                                        allow_special_tokens=allow_special_tokens)
+    except ChatError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
     return Prompt(text, ids)
 
 

@@ -110,6 +110,7 @@ def build_app(
     batch_dir: str | os.PathLike[str] | None = None,
     batch_max_in_flight: int = 4,
     limits: ServerLimits | None = None,
+    allow_special_tokens_in_content: bool = False,
 ) -> FastAPI:
     """The ASGI app serving ``client``. Metrics live in a registry owned by this app.
 
@@ -117,13 +118,16 @@ def build_app(
     and its runner starts at once, resuming unfinished batches; ``app.state.batches.close()``
     stops it (``serve`` does). ``limits`` (None: the defaults) bound what one request may
     cost; ``app.state.context.pool.close()`` stops its CPU threads (``serve`` does).
+    Control-token text in chat messages (``</s>``) is tokenized as text unless
+    ``allow_special_tokens_in_content``.
     """
     limits = ServerLimits() if limits is None else limits
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
     app.router.route_class = JSONInTurns
     app.state.json_turn = asyncio.Lock()
     metrics = ServerMetrics(client)
-    ctx = ServerContext(client, metrics, limits=limits, pool=CpuPool(limits.cpu_workers))
+    ctx = ServerContext(client, metrics, limits=limits, pool=CpuPool(limits.cpu_workers),
+                        allow_special_tokens_in_content=allow_special_tokens_in_content)
     app.state.client = client
     app.state.metrics = metrics
     app.state.context = ctx
@@ -265,6 +269,7 @@ def serve(
     batch_dir: str | os.PathLike[str] | None = None,
     batch_max_in_flight: int = 4,
     limits: ServerLimits | None = None,
+    allow_special_tokens_in_content: bool = False,
 ) -> None:
     """Start an engine for ``config`` and serve it until interrupted, then shut it down.
 
@@ -282,7 +287,8 @@ def serve(
     app = None
     try:
         app = build_app(client, api_key=api_key, batch_dir=batch_dir,
-                        batch_max_in_flight=batch_max_in_flight, limits=limits)
+                        batch_max_in_flight=batch_max_in_flight, limits=limits,
+                        allow_special_tokens_in_content=allow_special_tokens_in_content)
         logger.info("serving %s on http://%s:%d", client.model_name, host, port)
         server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port,
                                                log_level=log_level))

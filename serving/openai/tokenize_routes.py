@@ -51,7 +51,9 @@ def _tokenizer(client: EngineClient, model: str | None) -> Tokenizer:
     return client.tokenizer
 
 
-def tokenize(client: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
+def tokenize(
+    client: EngineClient, body: TokenizeRequest, allow_special_tokens: bool = False
+) -> dict[str, Any]:
     tok = _tokenizer(client, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
@@ -62,10 +64,11 @@ def tokenize(client: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
         assert body.messages is not None
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        rendered = render_chat(client, body.messages, body.add_generation_prompt)
+        rendered = render_chat(client, body.messages, body.add_generation_prompt,
+                               allow_special_tokens=allow_special_tokens)
         ids = rendered.token_ids
-        if body.add_special_tokens:
-            ids = list(tok.hf.encode(rendered.text or "", add_special_tokens=True))
+        if body.add_special_tokens:  # around the ids: encoding the text again would read
+            ids = tok.with_special_tokens(ids)  # the messages' control-token text as tokens
     strs = [str(s) for s in tok.hf.convert_ids_to_tokens(ids)] if body.return_token_strs else None
     return {
         "count": len(ids), "max_model_len": client.max_model_len, "tokens": ids,
@@ -86,8 +89,10 @@ def detokenize(client: EngineClient, body: DetokenizeRequest) -> dict[str, Any]:
 
 
 def tokenize_router(ctx: ServerContext) -> APIRouter:
-    """The two routes, over ``ctx.client``'s tokenizer (no engine round trip). The work and
-    the answer's JSON (a long prompt's ids) are done in ``ctx.pool``, off the event loop."""
+    """The two routes, over ``ctx.client``'s tokenizer (no engine round trip); messages render
+    as ``/v1/chat/completions`` renders them (``allow_special_tokens_in_content`` alike). The
+    work and the answer's JSON (a long prompt's ids) are done in ``ctx.pool``, off the event
+    loop."""
     router = APIRouter(route_class=JSONInTurns)
     client = ctx.client
     json_answer = {200: {"content": {"application/json": {}}}}
@@ -99,7 +104,8 @@ def tokenize_router(ctx: ServerContext) -> APIRouter:
             conversation_chars(body.messages) if body.messages is not None else 0)
         param = "prompt" if body.prompt is not None else "messages"
         check_prompt_chars(ctx.limits, client.max_model_len, [size], param)
-        answer = await ctx.pool.run(lambda: render_json(tokenize(client, body)))
+        special = ctx.allow_special_tokens_in_content
+        answer = await ctx.pool.run(lambda: render_json(tokenize(client, body, special)))
         return Response(answer, media_type="application/json")
 
     @router.post("/detokenize", response_class=Response,

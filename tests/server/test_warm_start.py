@@ -7,6 +7,7 @@ from __future__ import annotations
 def test_the_server_renders_the_chat_template_once_while_it_starts() -> None:
     from types import SimpleNamespace
 
+    from pagedserve.controller.tokenizer import Tokenizer
     from pagedserve.serving.openai.server import build_app
 
     rendered: list[tuple[list, bool]] = []
@@ -14,13 +15,13 @@ def test_the_server_renders_the_chat_template_once_while_it_starts() -> None:
     class HF:
         chat_template = "{{ messages }}"
 
-        def apply_chat_template(self, msgs, add_generation_prompt, tokenize):
+        def apply_chat_template(self, msgs, add_generation_prompt, tokenize, chat_template=None):
             rendered.append((msgs, add_generation_prompt))
             return "text"
 
         def encode(self, text, add_special_tokens):
             return [1]
 
-    client = SimpleNamespace(tokenizer=SimpleNamespace(hf=HF()), model_name="m")
+    client = SimpleNamespace(tokenizer=Tokenizer(HF()), model_name="m")
     build_app(client)  # type: ignore[arg-type]
     assert rendered == [([{"role": "user", "content": "Hello"}], True)]
