@@ -12,14 +12,22 @@ warm-up, so start-up and model loading are left out):
                     ``max_new_tokens`` per request)
   vllm              vLLM's CPU build, when ``--vllm-venv`` names a virtual environment holding it
                     (run from a working directory outside this repository, whose top-level
-                    folders would shadow modules)
+                    folders would shadow modules), its worker bound to every core
+                    (``VLLM_CPU_OMP_THREADS_BIND=0-N``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``): its
+                    best here, since by default it keeps a core for its engine process
+  vllm-default      the same at vLLM's default binding, reported beside it
   base, base-local  pagedserve (default path, in-process) from ``--baseline-venv``, a virtual
                     environment with another checkout installed: the A/B of one change
 
 Workload: random prompt token ids, input and output lengths uniform in the given ranges, greedy,
-``ignore_eos``, float32. The engines alternate over rounds (the order reverses every round), and
-each ratio is taken within a round, so the machine's drift cancels. The greedy outputs of every
-engine are compared token for token with Hugging Face's static batching.
+``ignore_eos``, every engine at ``--dtype`` (float32 or bfloat16). The engines alternate over
+rounds (the order reverses every round), and each ratio is taken within a round, so the
+machine's drift cancels. The greedy outputs of every engine are compared token for token with
+Hugging Face's static batching.
+
+How far from the machine's limit: each engine's model FLOP/s (2 x the linear layers' weights per
+token, prompt and output tokens alike; attention left out, so it is a floor) as a share of this
+machine's GEMM peak at that dtype, measured by a short matmul probe in this same run.
 
     python benchmarks/peers.py --quick                                   # CI: a few seconds
     python benchmarks/peers.py --model demo --vllm-venv /path/to/vllm-venv --rounds 3
@@ -45,7 +53,9 @@ from pagedserve.bench.report import emit_table
 from pagedserve.config import cache_root
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("pagedserve", "pagedserve-local", "hf-static", "hf-cb", "vllm", "base", "base-local")
+ENGINES = ("pagedserve", "pagedserve-local", "hf-static", "hf-cb", "vllm", "vllm-default", "base",
+           "base-local")
+VLLM_ENGINES = ("vllm", "vllm-default")
 REFERENCE = "hf-static"
 
 
@@ -95,10 +105,10 @@ def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int],
 
 # -- one engine, in its own process -------------------------------------------------------------
 
-def run_pagedserve(model: str, work: dict, backend: str | None) -> list[list[int]]:
+def run_pagedserve(model: str, work: dict, backend: str | None, dtype: str) -> list[list[int]]:
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(model, backend=backend, dtype="float32")
+    llm = LLM(model, backend=backend, dtype=dtype)
     try:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                   for m in work["max_tokens"]]
@@ -111,20 +121,20 @@ def run_pagedserve(model: str, work: dict, backend: str | None) -> list[list[int
         llm.shutdown()
 
 
-def _hf_model(model: str):
+def _hf_model(model: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     m.generation_config.eos_token_id = None  # ignore_eos
     m.generation_config.pad_token_id = 0
     return m.eval()
 
 
-def run_hf_static(model: str, work: dict, batch_size: int) -> list[list[int]]:
+def run_hf_static(model: str, work: dict, batch_size: int, dtype: str) -> list[list[int]]:
     import torch
 
-    m = _hf_model(model)
+    m = _hf_model(model, dtype)
     prompts, max_tokens = work["prompts"], work["max_tokens"]
 
     def batch(idx: list[int]) -> list[list[int]]:
@@ -149,11 +159,11 @@ def run_hf_static(model: str, work: dict, batch_size: int) -> list[list[int]]:
     return result
 
 
-def run_hf_cb(model: str, work: dict) -> list[list[int]]:
+def run_hf_cb(model: str, work: dict, dtype: str) -> list[list[int]]:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    m = _hf_model(model)
+    m = _hf_model(model, dtype)
     prompts, max_tokens = work["prompts"], work["max_tokens"]
     gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=False, eos_token_id=None,
                            pad_token_id=0)
@@ -187,13 +197,13 @@ def run_hf_cb(model: str, work: dict) -> list[list[int]]:
 def run_one(args: argparse.Namespace) -> None:
     work = json.loads(Path(args.workload).read_text())
     if args.run_one in ("pagedserve", "base"):
-        outs = run_pagedserve(args.model_dir, work, None)
+        outs = run_pagedserve(args.model_dir, work, None, args.dtype)
     elif args.run_one in ("pagedserve-local", "base-local"):
-        outs = run_pagedserve(args.model_dir, work, "local")
+        outs = run_pagedserve(args.model_dir, work, "local", args.dtype)
     elif args.run_one == "hf-static":
-        outs = run_hf_static(args.model_dir, work, args.hf_batch_size)
+        outs = run_hf_static(args.model_dir, work, args.hf_batch_size, args.dtype)
     else:
-        outs = run_hf_cb(args.model_dir, work)
+        outs = run_hf_cb(args.model_dir, work, args.dtype)
     Path(args.result).write_text(json.dumps({"elapsed_s": work["elapsed_s"], "outputs": outs}))
 
 
@@ -202,17 +212,25 @@ def run_one(args: argparse.Namespace) -> None:
 def launch(engine: str, args: argparse.Namespace, mdir: Path, wfile: Path, tmp: Path) -> dict:
     result = tmp / f"{engine}.json"
     result.unlink(missing_ok=True)
-    if engine == "vllm":
+    env = {**os.environ, "PYTHONPATH": ""}
+    if engine in VLLM_ENGINES:
         py = Path(args.vllm_venv) / "bin" / "python"
         cmd = [str(py), str(HERE / "peers" / "vllm_generate.py")]
+        if engine == "vllm":  # every core to its worker: nothing kept back for the engine core
+            env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        else:
+            for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+                env.pop(key, None)
     else:
         py = Path(args.baseline_venv) / "bin" / "python" if engine.startswith("base") else None
         cmd = [str(py or sys.executable), str(Path(__file__).resolve()), "--run-one", engine,
                "--hf-batch-size", str(args.hf_batch_size)]
-    cmd += ["--model-dir", str(mdir), "--workload", str(wfile), "--result", str(result)]
+    cmd += ["--model-dir", str(mdir), "--workload", str(wfile), "--result", str(result),
+            "--dtype", args.dtype]
     # A working directory outside the repository: its top-level folders shadow other modules.
     subprocess.run(cmd, cwd=tmp, check=True, stdout=subprocess.DEVNULL if args.quiet else None,
-                   env={**os.environ, "PYTHONPATH": ""})
+                   env=env)
     return json.loads(result.read_text())
 
 
@@ -227,28 +245,68 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[int, float]:
     return same, share / max(len(ref), 1)
 
 
+def linear_flops_per_token(mdir: Path) -> int:
+    """2 x the weights of the model's linear layers (the LM head included, tied or not): the
+    matmul FLOPs one token costs, attention left out."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(mdir))
+    return 2 * sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+
+
+def gemm_peak_flops(mdir: Path, dtype: str) -> float:
+    """The best FLOP/s of ``F.linear`` on the model's widest MLP shape (256 rows, as a prefill
+    chunk), all cores, at ``dtype``: what this machine's matmuls reach, for the share column."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(mdir)
+    dt = getattr(torch, dtype)
+    x = torch.randn(256, cfg.hidden_size, dtype=dt)
+    w = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=dt)
+    flops = 2 * x.shape[0] * w.shape[0] * w.shape[1]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            F.linear(x, w)
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                F.linear(x, w)
+            best = min(best, (time.perf_counter() - t0) / 10)
+    return flops / best
+
+
 def report(args: argparse.Namespace, engines: list[str], rounds: list[dict[str, dict]],
-           work: dict) -> str:
+           work: dict, flops_per_token: int, peak: float) -> str:
     tokens = sum(work["max_tokens"])
+    processed = tokens + sum(len(p) for p in work["prompts"])
     base = "vllm" if "vllm" in engines else engines[0]
     lines = [f"model `{args.model}`, {len(work['prompts'])} requests, input "
              f"{args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-"
-             f"{args.output_len[1]} tokens ({tokens} in all), greedy, ignore_eos, float32, "
-             f"{len(rounds)} round(s), torch threads {os.cpu_count()} cores", "",
+             f"{args.output_len[1]} tokens ({tokens} in all), greedy, ignore_eos, {args.dtype}, "
+             f"{len(rounds)} round(s), torch threads {os.cpu_count()} cores; GEMM peak "
+             f"{peak / 1e9:.1f} GFLOP/s at {args.dtype}, {flops_per_token / 1e6:.1f} MFLOP per "
+             "token in the linear layers", "",
              f"| engine | output tok/s (median) | per round | ratio to {base} (median) "
-             f"| identical to {REFERENCE} | tokens before first difference |",
-             "|---|---|---|---|---|---|"]
+             f"| model FLOP/s, share of GEMM peak | identical to {REFERENCE} "
+             "| tokens before first difference |",
+             "|---|---|---|---|---|---|---|"]
     ref = rounds[0].get(REFERENCE)
     for e in engines:
         tps = [tokens / r[e]["elapsed_s"] for r in rounds]
         ratios = [r[base]["elapsed_s"] / r[e]["elapsed_s"] for r in rounds]
+        fps = processed * flops_per_token / statistics.median(r[e]["elapsed_s"] for r in rounds)
         agree, prefix = "-", "-"
         if ref:
             same, share = agreement(rounds[0][e]["outputs"], ref["outputs"])
             agree, prefix = f"{same}/{len(work['prompts'])}", f"{share:.1%}"
         lines.append(f"| {e} | {statistics.median(tps):.1f} | "
                      f"{', '.join(f'{t:.1f}' for t in tps)} | {statistics.median(ratios):.2f}x | "
-                     f"{agree} | {prefix} |")
+                     f"{fps / 1e9:.1f} G, {fps / peak:.0%} | {agree} | {prefix} |")
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +317,11 @@ def main() -> None:
     ap.add_argument("--engines", default="pagedserve,pagedserve-local,hf-static,hf-cb",
                     help="comma-separated; vllm (base, base-local) is added when --vllm-venv "
                          "(--baseline-venv) is given")
-    ap.add_argument("--vllm-venv", default=None)
+    ap.add_argument("--vllm-venv", default=None,
+                    help="adds vllm (worker bound to every core) and vllm-default (its default "
+                         "binding)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="every engine's weights and activations")
     ap.add_argument("--baseline-venv", default=None,
                     help="adds base and base-local: pagedserve as installed in that venv")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -284,8 +346,8 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.input_len, args.output_len, args.rounds = 8, (8, 32), (4, 16), 1
     engines = [e for e in args.engines.split(",") if e]
-    if args.vllm_venv and "vllm" not in engines:
-        engines.append("vllm")
+    if args.vllm_venv:
+        engines += [e for e in VLLM_ENGINES if e not in engines]
     if args.baseline_venv:
         engines += [e for e in ("base", "base-local") if e not in engines]
     unknown = set(engines) - set(ENGINES)
@@ -293,8 +355,8 @@ def main() -> None:
         ap.error(f"unknown engines: {sorted(unknown)}")
     if not args.baseline_venv and {"base", "base-local"} & set(engines):
         ap.error("base and base-local need --baseline-venv")
-    if not args.vllm_venv and "vllm" in engines:
-        ap.error("vllm needs --vllm-venv")
+    if not args.vllm_venv and set(VLLM_ENGINES) & set(engines):
+        ap.error("vllm and vllm-default need --vllm-venv")
     mdir = model_dir(args.model)
     from transformers import AutoConfig
 
@@ -315,7 +377,8 @@ def main() -> None:
                 print(f"round {r + 1}: {e}: {sum(work['max_tokens']) / got[e]['elapsed_s']:.1f} "
                       f"output tok/s (process {time.perf_counter() - t0:.0f} s)", flush=True)
             rounds.append(got)
-    table = report(args, engines, rounds, work)
+    table = report(args, engines, rounds, work, linear_flops_per_token(mdir),
+                   gemm_peak_flops(mdir, args.dtype))
     emit_table(table, args.out)
     if args.min_identical is not None and REFERENCE in engines:
         ref = rounds[0][REFERENCE]["outputs"]

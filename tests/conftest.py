@@ -13,6 +13,34 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PAGEDSERVE_BACKEND", "local")
 
 
+# Tests that share something expensive made once per process run in one pytest-xdist worker,
+# one after another: the multi-host cluster and its namespaces, the directory's local Ray
+# instance, and the default model converted once (``real_model_cache``). Keyed by node-id
+# prefix (relative to the repository root); every other test is a unit of its own.
+XDIST_GROUPS = {
+    "tests/multihost/": "multihost",
+    "tests/distributed/": "ray-local",
+    "tests/test_readme.py::": "real-model",
+    "tests/test_real_model.py::": "real-model",
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with the groups above as scopes: a scope goes to one
+        worker whole, the largest first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix, group in XDIST_GROUPS.items():
+                if nodeid.startswith(prefix):
+                    return group
+            return nodeid
+
+    return GroupScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def real_model_cache(tmp_path_factory: pytest.TempPathFactory):
     """An ``XDG_CACHE_HOME`` holding the default model (SmolLM2-135M-Instruct) converted once

@@ -31,13 +31,14 @@ def main() -> None:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--workload", required=True)
     ap.add_argument("--result", required=True)
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
     work = json.loads(Path(args.workload).read_text())
     prompts = [{"prompt_token_ids": p} for p in work["prompts"]]
     longest = max(len(p) + m for p, m in zip(work["prompts"], work["max_tokens"], strict=True))
-    llm = LLM(args.model_dir, dtype="float32", block_size=32, enforce_eager=True,
+    llm = LLM(args.model_dir, dtype=args.dtype, block_size=32, enforce_eager=True,
               max_model_len=max(256, longest), skip_tokenizer_init=True, seed=0)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False)
               for m in work["max_tokens"]]

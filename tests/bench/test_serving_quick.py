@@ -1,6 +1,6 @@
 """``pagedserve bench serving --quick`` end to end: two real ``pagedserve serve`` processes
 (local backend, demo model, a KV pool that fits two reserve requests), a two-rate sweep over
-HTTP with streaming clients, sane JSON and the targets' directions."""
+HTTP with streaming clients, sane JSON and the scheduling's directions."""
 
 from __future__ import annotations
 
@@ -41,14 +41,12 @@ def test_files_and_sane_numbers(serving_doc: tuple[Path, dict]) -> None:
             assert not math.isnan(r["itl_p99"])
 
 
-def test_target_directions(serving_doc: tuple[Path, dict]) -> None:
+def test_scheduling_directions(serving_doc: tuple[Path, dict]) -> None:
+    # What the scheduler decides, not how fast the machine is: latency, throughput and capacity
+    # are the benchmark's figures, which a loaded machine moves either way (never asserted).
     _, doc = serving_doc
     paged, reserve = doc["policies"]["paged"], doc["policies"]["reserve"]
     top_p, top_r = paged["rates"][-1], reserve["rates"][-1]
-    # Under load, reserve (2 requests fit its pool) queues; paged batches more and is faster.
+    # Under load, reserve (2 requests fit its pool) queues; paged batches more.
     assert top_p["batched_tokens"]["median"] > top_r["batched_tokens"]["median"]
-    assert top_p["normalized_latency_mean"] < top_r["normalized_latency_mean"]
-    assert top_p["output_throughput"] > top_r["output_throughput"]
     assert top_r["preemptions"] == 0  # a reservation never grows
-    cp, cr = paged["capacity"]["interpolated"], reserve["capacity"]["interpolated"]
-    assert cp is not None and (cr is None or cp >= cr)
