@@ -21,6 +21,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+# Bytes per element of each named dtype (the KV arithmetic of code that has no torch).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 
 
 def cache_root() -> Path:
@@ -63,6 +65,14 @@ def _check_optional_int(name: str, value: Any, lo: int) -> None:
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(name, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    """Bytes per KV element for ``kv_cache_dtype`` under a model of ``model_dtype`` (a
+    resolved name: not ``auto``)."""
+    _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    _check_choice("dtype", model_dtype, tuple(d for d in DTYPES if d != "auto"))
+    return DTYPE_BYTES[model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype]
 
 
 @dataclass(frozen=True, slots=True)

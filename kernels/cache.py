@@ -15,6 +15,28 @@ from pagedserve.kernels.kv_quant import FP8_E4M3, FP8_MAX
 
 
 @triton.jit
+def _round_float32(y, DROP: tl.constexpr):
+    """``y`` (float32) rounded to nearest-even with its low ``DROP`` mantissa bits cleared."""
+    bits = y.to(tl.int32, bitcast=True)
+    half = (1 << (DROP - 1)) - 1 + ((bits >> DROP) & 1)
+    return ((bits + half) & -(1 << DROP)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_cache(y, FP8: tl.constexpr):
+    """``y`` (float32) on the grid of bf16 or e4m3 (|y| <= 448), still float32: the cast that
+    follows is exact. Rounding here, not in the cast, matches torch's round-to-nearest-even
+    everywhere (the interpreter's bf16 cast truncates and its fp8 cast loses mantissa carries)."""
+    if FP8:
+        normal = _round_float32(y, 20)  # 3 of float32's 23 mantissa bits kept
+        # Below 2^-6 e4m3 is subnormal, steps of 2^-9: adding 1.5 * 2^14 rounds there.
+        sub = (y + 24576.0) - 24576.0
+        sub = tl.where(sub == 0.0, y * 0.0, sub)  # keep -0.0
+        return tl.where(tl.abs(y) < 0.015625, sub, normal)
+    return _round_float32(y, 16)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,  # [T, H_kv, D], float
     value_ptr,  # [T, H_kv, D], float
@@ -32,6 +54,7 @@ def _reshape_and_cache_kernel(
     TILE: tl.constexpr,
     QUANTIZE: tl.constexpr,  # the cache dtype or a scale differs: go through float32
     SATURATE: tl.constexpr,  # fp8: clamp to +-FP8_MAX instead of overflowing to NaN
+    ROUND: tl.constexpr,  # a bf16 or fp8 cache: round in float32 before the cast
     FP8_LIMIT: tl.constexpr,
 ):
     tok = tl.program_id(0)
@@ -49,6 +72,9 @@ def _reshape_and_cache_kernel(
         if SATURATE:
             k = tl.minimum(tl.maximum(k, -FP8_LIMIT), FP8_LIMIT)
             v = tl.minimum(tl.maximum(v, -FP8_LIMIT), FP8_LIMIT)
+        if ROUND:
+            k = _round_to_cache(k, SATURATE)
+            v = _round_to_cache(v, SATURATE)
         k = k.to(cache_ptr.dtype.element_ty)
         v = v.to(cache_ptr.dtype.element_ty)
     blk = slot // BLOCK_SIZE
@@ -80,5 +106,6 @@ def reshape_and_cache(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         HEAD_DIM=d, TOKEN_NUMEL=numel, BLOCK_SIZE=kv_cache.shape[2], TILE=tile,
         QUANTIZE=kv_cache.dtype != key.dtype or (k_scale, v_scale) != (1.0, 1.0),
-        SATURATE=kv_cache.dtype == FP8_E4M3, FP8_LIMIT=FP8_MAX,
+        SATURATE=kv_cache.dtype == FP8_E4M3,
+        ROUND=kv_cache.dtype in (torch.bfloat16, FP8_E4M3), FP8_LIMIT=FP8_MAX,
     )
