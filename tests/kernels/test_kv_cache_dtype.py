@@ -23,12 +23,14 @@ from pagedserve.kernels import (
     FP8_MAX,
     KernelArgumentError,
     KernelDtypeError,
+    copy_blocks,
     dequantize_kv,
     paged_attention,
     paged_attention_ref,
     quantize_kv,
     reshape_and_cache,
     reshape_and_cache_ref,
+    swap_blocks,
     triton_paged_attention,
     triton_reshape_and_cache,
 )
@@ -166,3 +168,19 @@ def test_rejects_bad_scales_and_dtype_pairs() -> None:
     # A float32 cache is no storage dtype: float64 activations must not be narrowed into it.
     with pytest.raises(KernelDtypeError, match="kv_cache dtype"):
         reshape_and_cache_ref(key.double(), value.double(), torch.zeros(shape), slots)
+
+
+def test_fp8_blocks_copy_and_swap_bytes_exactly() -> None:
+    """Copy-on-write and the host tier move an fp8 cache's bytes (CPU index_copy_ has no fp8
+    kernel: the copies go through a byte view)."""
+    g = torch.Generator().manual_seed(0)
+    dev = (torch.randn(5, 2, 4, 2, 8, generator=g) * 50).to(FP8_E4M3)
+    host = torch.zeros(3, 2, 4, 2, 8, dtype=FP8_E4M3)
+    swap_blocks([dev], [host], torch.tensor([[4, 1], [2, 2]]))
+    assert torch.equal(host[1].view(torch.uint8), dev[4].view(torch.uint8))
+    assert torch.equal(host[2].view(torch.uint8), dev[2].view(torch.uint8))
+    back = dev.clone()
+    swap_blocks([host], [back], torch.tensor([[1, 0]]))
+    assert torch.equal(back[0].view(torch.uint8), dev[4].view(torch.uint8))
+    copy_blocks([back], [[3, 1]])
+    assert torch.equal(back[1].view(torch.uint8), dev[3].view(torch.uint8))
