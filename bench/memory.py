@@ -32,8 +32,10 @@ from pagedserve.config import KV_CACHE_DTYPES, kv_element_bytes
 
 __all__ = ["MemoryOptions", "run_memory"]
 
-# OPT-13B in fp16, the paper's running example: 2 (K, V) x 40 layers x 5120 hidden x 2 bytes.
-OPT13B_KV_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2
+# OPT-13B, the paper's running example: 2 (K, V) x 40 layers x 5120 hidden elements per token
+# (x 2 bytes in fp16).
+OPT13B_KV_ELEMENTS_PER_TOKEN = 2 * 40 * 5120
+OPT13B_KV_BYTES_PER_TOKEN = OPT13B_KV_ELEMENTS_PER_TOKEN * 2
 
 PAPER = {
     "token_states": {"paged": 0.963, "reserve": 0.204, "reserve-pow2": 0.268,
@@ -55,8 +57,8 @@ class MemoryOptions:
     sharegpt_rate: float = 30.0
     alpaca_requests: int = 3000
     alpaca_rate: float = 800.0
-    kv_bytes_per_token: int = OPT13B_KV_BYTES_PER_TOKEN
-    """At the model dtype; the KV dtype scales it."""
+    kv_bytes_per_token: int | None = None
+    """At the model dtype (None: OPT-13B's at ``model_dtype``); the KV dtype scales it."""
     model_dtype: str = "float16"
     kv_cache_dtype: str = "auto"
     progress: bool = True
@@ -73,9 +75,14 @@ class MemoryOptions:
         model, kv = self.kv_ratio(kv_cache_dtype)
         return self.kv_tokens * model // kv
 
+    def model_token_bytes(self) -> int:
+        if self.kv_bytes_per_token is not None:
+            return self.kv_bytes_per_token
+        return OPT13B_KV_ELEMENTS_PER_TOKEN * self.kv_ratio("auto")[0]
+
     def kv_token_bytes(self, kv_cache_dtype: str | None = None) -> int:
         model, kv = self.kv_ratio(kv_cache_dtype)
-        return self.kv_bytes_per_token * kv // model
+        return self.model_token_bytes() * kv // model
 
     def scaled(self) -> MemoryOptions:
         if not self.quick:
@@ -148,7 +155,7 @@ def _kv_bytes_table(o: MemoryOptions, results: dict[str, SimResult]) -> list[dic
 
 def _kv_dtype_table(o: MemoryOptions) -> list[dict[str, Any]]:
     """Per KV cache dtype: element bytes, bytes per token and slots in this budget."""
-    budget = o.kv_tokens * o.kv_bytes_per_token
+    budget = o.kv_tokens * o.model_token_bytes()
     return [{"kv_cache_dtype": kv, "element_bytes": o.kv_ratio(kv)[1],
              "bytes_per_token": o.kv_token_bytes(kv), "token_slots": o.kv_slots(kv),
              "budget_bytes": budget, "ratio": o.kv_slots(kv) / o.kv_tokens}

@@ -29,7 +29,8 @@ def test_slots_follow_the_kv_dtype(monkeypatch, tmp_path, model: str, kv: str,
     o = _options(monkeypatch, tmp_path, "--model-dtype", model, "--kv-cache-dtype", kv,
                  "--kv-tokens", "4096")
     assert o.kv_slots() == ratio * 4096
-    assert o.kv_token_bytes() * ratio == o.kv_bytes_per_token
+    assert o.kv_token_bytes() * ratio == o.model_token_bytes()
+    assert o.model_token_bytes() == 2 * 40 * 5120 * (4 if model == "float32" else 2)  # OPT-13B
     assert {c.kv_tokens for _, c in memory._plan(o)} == {ratio * 4096}  # every simulated run
     table = {r["kv_cache_dtype"]: r for r in memory._kv_dtype_table(o)}
     assert table[kv]["token_slots"] == ratio * 4096
