@@ -20,6 +20,9 @@ ALLOCATION_POLICIES = ("paged", "reserve")
 PREEMPTION_MODES = ("recompute", "swap")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+# Bytes per element of each named dtype (the KV arithmetic of code that has no torch).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 
 
 def cache_root() -> Path:
@@ -62,6 +65,14 @@ def _check_optional_int(name: str, value: Any, lo: int) -> None:
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(name, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    """Bytes per KV element for ``kv_cache_dtype`` under a model of ``model_dtype`` (a
+    resolved name: not ``auto``)."""
+    _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    _check_choice("dtype", model_dtype, tuple(d for d in DTYPES if d != "auto"))
+    return DTYPE_BYTES[model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +121,13 @@ class CacheConfig:
     kv_offload: bool = True
     """With a host tier: keep cached blocks evicted from the device pool there, so a later
     prefix hit copies them back instead of recomputing them."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's own dtype: ``auto`` (the model's), ``bfloat16`` (2 bytes per element) or
+    ``fp8_e4m3`` (1 byte, scaled per layer for K and for V as vLLM does; saturates at +-448).
+    The byte budget then holds 2x / 4x the tokens of a float32 model."""
+    calculate_kv_scales: bool = False
+    """fp8 only: each layer takes its K and V scales from the amax of the first prefill
+    (x 2 headroom), instead of 1.0."""
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
@@ -125,6 +143,11 @@ class CacheConfig:
         _check_optional_int("num_host_blocks", self.num_host_blocks, 2)
         if not isinstance(self.kv_offload, bool):
             raise ConfigError("kv_offload", f"must be a bool, got {self.kv_offload!r}")
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ConfigError(
+                "calculate_kv_scales", f"must be a bool, got {self.calculate_kv_scales!r}"
+            )
 
     @property
     def host_tier_enabled(self) -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.bench.report import RUNS_DIR, results_dir
+from pagedserve.config import KV_CACHE_DTYPES
 
 __all__ = ["add_bench_parser", "run_bench"]
 
@@ -48,7 +49,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--alpaca-requests", type=int, default=3000)
     m.add_argument("--alpaca-rate", type=float, default=800.0)
     m.add_argument("--kv-bytes-per-token", type=int, default=None,
-                   help="for the bytes-per-request table (default: OPT-13B fp16, 800 KiB)")
+                   help="at the model dtype, for the bytes-per-request table (default: "
+                        "OPT-13B fp16, 800 KiB)")
+    m.add_argument("--model-dtype", default="float16", choices=("float32", "float16", "bfloat16"),
+                   help="the dtype --kv-tokens and --kv-bytes-per-token are counted in "
+                        "(default float16, OPT-13B's)")
+    m.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's dtype: the same bytes hold model / KV element bytes "
+                        "times the slots (fp8_e4m3 under float32: 4x)")
     m.add_argument("--no-progress", action="store_true")
 
     s = sub.add_parser(
@@ -99,6 +107,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             block_size=args.block_size, kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
             sharegpt_requests=args.sharegpt_requests, sharegpt_rate=args.sharegpt_rate,
             alpaca_requests=args.alpaca_requests, alpaca_rate=args.alpaca_rate,
+            model_dtype=args.model_dtype, kv_cache_dtype=args.kv_cache_dtype,
             progress=not args.no_progress, argv=argv,
         )
         if args.kv_bytes_per_token is not None:

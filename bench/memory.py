@@ -9,6 +9,10 @@ Experiments (each a :func:`pagedserve.bench.memory_sim.simulate` run):
   sharing, computed as the vLLM paper does (blocks saved / blocks needed without sharing);
 * block size 8 ... 128 against utilisation, ``paged``.
 
+The budget is ``--kv-tokens`` token slots at the model's dtype (``--model-dtype``, fp16 for
+OPT-13B); ``--kv-cache-dtype`` stores KV narrower, so the same bytes hold more slots (fp8: 2x
+an fp16 model's, 4x a float32 model's), as the engine's block count does.
+
 Writes ``memory.json``, ``memory.md`` and the PNGs into ``--out``.
 """
 
@@ -24,11 +28,14 @@ from typing import Any
 from pagedserve.bench.memory_sim import EXECUTOR_NOTE, POLICIES, SimConfig, SimResult, simulate
 from pagedserve.bench.report import command_line, fmt_pct, md_table, write_json
 from pagedserve.bench.workloads import WORKLOADS, next_pow2
+from pagedserve.config import KV_CACHE_DTYPES, kv_element_bytes
 
 __all__ = ["MemoryOptions", "run_memory"]
 
-# OPT-13B in fp16, the paper's running example: 2 (K, V) x 40 layers x 5120 hidden x 2 bytes.
-OPT13B_KV_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2
+# OPT-13B, the paper's running example: 2 (K, V) x 40 layers x 5120 hidden elements per token
+# (x 2 bytes in fp16).
+OPT13B_KV_ELEMENTS_PER_TOKEN = 2 * 40 * 5120
+OPT13B_KV_BYTES_PER_TOKEN = OPT13B_KV_ELEMENTS_PER_TOKEN * 2
 
 PAPER = {
     "token_states": {"paged": 0.963, "reserve": 0.204, "reserve-pow2": 0.268,
@@ -50,9 +57,32 @@ class MemoryOptions:
     sharegpt_rate: float = 30.0
     alpaca_requests: int = 3000
     alpaca_rate: float = 800.0
-    kv_bytes_per_token: int = OPT13B_KV_BYTES_PER_TOKEN
+    kv_bytes_per_token: int | None = None
+    """At the model dtype (None: OPT-13B's at ``model_dtype``); the KV dtype scales it."""
+    model_dtype: str = "float16"
+    kv_cache_dtype: str = "auto"
     progress: bool = True
     argv: list[str] | None = None
+
+    def kv_ratio(self, kv_cache_dtype: str | None = None) -> tuple[int, int]:
+        """(model, KV) bytes per element: the KV dtype holds model / KV times the slots."""
+        kv = kv_cache_dtype or self.kv_cache_dtype
+        return (kv_element_bytes("auto", self.model_dtype),
+                kv_element_bytes(kv, self.model_dtype))
+
+    def kv_slots(self, kv_cache_dtype: str | None = None) -> int:
+        """Token slots the budget (``kv_tokens`` slots at the model dtype) holds in KV bytes."""
+        model, kv = self.kv_ratio(kv_cache_dtype)
+        return self.kv_tokens * model // kv
+
+    def model_token_bytes(self) -> int:
+        if self.kv_bytes_per_token is not None:
+            return self.kv_bytes_per_token
+        return OPT13B_KV_ELEMENTS_PER_TOKEN * self.kv_ratio("auto")[0]
+
+    def kv_token_bytes(self, kv_cache_dtype: str | None = None) -> int:
+        model, kv = self.kv_ratio(kv_cache_dtype)
+        return self.model_token_bytes() * kv // model
 
     def scaled(self) -> MemoryOptions:
         if not self.quick:
@@ -64,7 +94,7 @@ class MemoryOptions:
 
 
 def _plan(o: MemoryOptions) -> list[tuple[str, SimConfig]]:
-    base = SimConfig(block_size=o.block_size, kv_tokens=o.kv_tokens,
+    base = SimConfig(block_size=o.block_size, kv_tokens=o.kv_slots(),
                      max_model_len=o.max_model_len, seed=o.seed)
     wl = {
         "sharegpt": {"num_requests": o.sharegpt_requests, "rate": o.sharegpt_rate},
@@ -101,7 +131,7 @@ def _plan(o: MemoryOptions) -> list[tuple[str, SimConfig]]:
 def _kv_bytes_table(o: MemoryOptions, results: dict[str, SimResult]) -> list[dict[str, Any]]:
     """KV bytes one request holds at its end, at the workload's mean and P95 length."""
     rows = []
-    bpt = o.kv_bytes_per_token
+    bpt = o.kv_token_bytes()
     for name in ("sharegpt", "alpaca"):
         length = results[f"policy/{name}/paged"].summary["request_length"]
         for pol in POLICIES:
@@ -121,6 +151,15 @@ def _kv_bytes_table(o: MemoryOptions, results: dict[str, SimResult]) -> list[dic
             row["measured_mean_bytes_per_sequence"] = r["mean_allocated_slots_per_sequence"] * bpt
             rows.append(row)
     return rows
+
+
+def _kv_dtype_table(o: MemoryOptions) -> list[dict[str, Any]]:
+    """Per KV cache dtype: element bytes, bytes per token and slots in this budget."""
+    budget = o.kv_tokens * o.model_token_bytes()
+    return [{"kv_cache_dtype": kv, "element_bytes": o.kv_ratio(kv)[1],
+             "bytes_per_token": o.kv_token_bytes(kv), "token_slots": o.kv_slots(kv),
+             "budget_bytes": budget, "ratio": o.kv_slots(kv) / o.kv_tokens}
+            for kv in KV_CACHE_DTYPES]
 
 
 def _targets(results: dict[str, SimResult]) -> dict[str, Any]:
@@ -147,6 +186,7 @@ def _targets(results: dict[str, SimResult]) -> dict[str, Any]:
 def run_memory(o: MemoryOptions) -> dict[str, Any]:
     """Run every experiment, write the JSON, markdown and plots; return the JSON document."""
     o = o.scaled()
+    o.kv_slots()  # refuses an unknown dtype by name before any run
     o.out.mkdir(parents=True, exist_ok=True)
     plan = _plan(o)
     total = sum(c.num_requests * c.n for _, c in plan)
@@ -177,6 +217,7 @@ def run_memory(o: MemoryOptions) -> dict[str, Any]:
         "runs": {k: {"config": asdict(r.config), **r.summary, "wall_seconds": wall[k]}
                  for k, r in results.items()},
         "kv_bytes_per_request": _kv_bytes_table(o, results),
+        "kv_cache_dtypes": _kv_dtype_table(o),
         "targets": _targets(results),
     }
     write_json(o.out / "memory.json", doc)
@@ -227,8 +268,11 @@ def _markdown(doc: dict[str, Any]) -> str:
         f"{runs['policy/sharegpt/paged']['config']['step_per_token_s'] * 1e6:.0f} us per "
         "batched token; it only orders arrivals against steps.",
         "",
-        f"KV budget: {o['kv_tokens']:,} token slots ({o['kv_tokens'] // o['block_size']:,} "
-        f"blocks of {o['block_size']}), max_model_len {o['max_model_len']}, "
+        f"KV budget: {_slots(doc)['token_slots']:,} token slots "
+        f"({_slots(doc)['token_slots'] // o['block_size']:,} blocks of {o['block_size']}; "
+        f"KV cache dtype `{o['kv_cache_dtype']}` under a {o['model_dtype']} model, "
+        f"{_slots(doc)['ratio']:g}x the {o['kv_tokens']:,} slots of the model's dtype in "
+        f"the same bytes), max_model_len {o['max_model_len']}, "
         f"{doc['machine']}, {doc['wall_seconds']:.0f} s wall for all runs"
         + (" (`--quick`)." if doc["quick"] else "."),
         "",
@@ -279,9 +323,9 @@ def _markdown(doc: dict[str, Any]) -> str:
         "",
         "## KV bytes per request",
         "",
-        f"At {o['kv_bytes_per_token']:,} bytes per token (OPT-13B, fp16: 2 x 40 layers x "
-        "5120 x 2 bytes), for a request of the workload's mean and P95 length (prompt + "
-        "output), and the measured time-average per running sequence:",
+        f"At {_slots(doc)['bytes_per_token']:,} bytes per token (OPT-13B: 2 x 40 layers x "
+        f"5120 x {_slots(doc)['element_bytes']} bytes), for a request of the workload's mean "
+        "and P95 length (prompt + output), and the measured time-average per running sequence:",
         "",
         md_table(
             ["workload", "policy", "mean length", "bytes at mean", "P95 length",
@@ -291,6 +335,18 @@ def _markdown(doc: dict[str, Any]) -> str:
               _mb(r["measured_mean_bytes_per_sequence"])]
              for r in doc["kv_bytes_per_request"]],
         ),
+        "",
+        "## KV cache dtype",
+        "",
+        f"The same {_mb(doc['kv_cache_dtypes'][0]['budget_bytes'])} of KV under a "
+        f"{o['model_dtype']} model (`--kv-cache-dtype`; the runs above use "
+        f"`{o['kv_cache_dtype']}`):",
+        "",
+        md_table(["KV cache dtype", "bytes per element", "bytes per token", "token slots",
+                  "vs the model's dtype"],
+                 [[f"`{r['kv_cache_dtype']}`", str(r["element_bytes"]),
+                   f"{r['bytes_per_token']:,}", f"{r['token_slots']:,}", f"{r['ratio']:g}x"]
+                  for r in doc["kv_cache_dtypes"]]),
         "",
         "## Sharing (paged)",
         "",
@@ -330,6 +386,12 @@ def _markdown(doc: dict[str, Any]) -> str:
     out += ["Plots: `memory_heatmap.png`, `memory_utilisation.png`, `memory_waste.png`, "
             "`memory_block_size.png`.", ""]
     return "\n".join(out)
+
+
+def _slots(doc: dict[str, Any]) -> dict[str, Any]:
+    """The KV-dtype row of the runs' own dtype."""
+    kv = doc["options"]["kv_cache_dtype"]
+    return next(r for r in doc["kv_cache_dtypes"] if r["kv_cache_dtype"] == kv)
 
 
 def _mb(x: float) -> str:

@@ -357,7 +357,17 @@ class EngineCore:
             "time_schedule_s": self._time_schedule, "time_execute_s": self._time_execute,
             # As of the last idle check.
             "kv_integrity_ok": self._kv_integrity_ok, "kv_integrity_checks": self._kv_checks,
+            **self._kv_pool_bytes(),
         })
+
+    def _kv_pool_bytes(self) -> dict[str, int | float]:
+        """One rank's KV pool size and element width: they follow ``kv_cache_dtype``."""
+        specs, layout = self.kv_plan.specs, self.kv_layout
+        if not specs:
+            return {}
+        page = specs[0].page_size_bytes  # equal across groups, per layer
+        return {"kv_cache_bytes": layout.num_blocks * page * len(layout.groups[0]),
+                "kv_cache_element_bytes": specs[0].dtype_bytes}
 
     def add_step_hook(self, hook: StepHook) -> None:
         """Run ``hook(scheduler, scheduler_output)`` after every schedule, e.g. to record

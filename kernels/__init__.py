@@ -6,6 +6,11 @@ kernels do not support, e.g. a head dim that is not a power of two or float64); 
 goes to the compiled kernels of ``kernels.cpu`` (without context parallelism, once built);
 everything else goes to the torch reference. ``triton_*`` and ``*_ref`` pick an implementation
 explicitly (the tests run both on CPU, Triton through ``TRITON_INTERPRET=1``).
+
+A KV cache of its own dtype (``kv_quant``: bfloat16 or scaled fp8 under a float32 model, fp8
+under a bf16 one) is quantized on write and widened on read by the Triton kernels and the torch
+reference. The compiled CPU kernels take the model's dtype only, so such a cache routes the CPU
+to the torch reference (the worker logs it once).
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ from pagedserve.kernels.cp_layout import (
 )
 from pagedserve.kernels.cpu import compiled_for, cpu_ops, cpu_paged_attention
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
+from pagedserve.kernels.kv_quant import (
+    FP8_E4M3,
+    FP8_MAX,
+    KV_STORAGE_DTYPES,
+    dequantize_kv,
+    needs_scale,
+    quantize_kv,
+    scale_from_amax,
+)
 from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
 from pagedserve.kernels.reference import (
     SMALL_Q,
@@ -73,18 +87,24 @@ def reshape_and_cache(
     value: torch.Tensor,  # [T, H_kv, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D], contiguous
     slot_mapping: torch.Tensor,  # [T], int32/int64; -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Writes keys and values into their slots; see ``reshape_and_cache_ref``."""
-    if _use_triton(kv_cache):
-        triton_reshape_and_cache(key, value, kv_cache, slot_mapping)
-    elif compiled_for(key, value, kv_cache):
+    """Writes keys and values into their slots, quantized to a narrower cache dtype with the
+    scales; see ``reshape_and_cache_ref``."""
+    if _use_triton(key):
+        triton_reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    elif (key.dtype == kv_cache.dtype and k_scale == 1.0 == v_scale
+          and compiled_for(key, value, kv_cache)):
+        # The compiled write copies in the model's dtype: a cache of another dtype (or scaled)
+        # takes the torch reference, which quantizes.
         try:  # checked by the kernel; the typed error as above
             cpu_ops().reshape_and_cache(key, value, kv_cache, slot_mapping)
         except RuntimeError:
             check_reshape_and_cache(key, value, kv_cache, slot_mapping)
             raise
     else:
-        reshape_and_cache_ref(key, value, kv_cache, slot_mapping)
+        reshape_and_cache_ref(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -101,15 +121,22 @@ def paged_attention(
     return_lse: bool = False,
     num_kv_splits: int | None = None,
     plans: dict[tuple, AttentionPlan] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Varlen causal paged attention; see ``paged_attention_ref``. ``plans`` caches the torch
     path's :class:`AttentionPlan` for this metadata (keyed by window and layout), so that every
-    layer of a step after the first reuses it; the Triton path needs none."""
+    layer of a step after the first reuses it; the Triton path needs none. A cache of another
+    dtype than ``q``'s reads as ``stored * k_scale`` (``v_scale``)."""
     if _use_triton(q, q.shape[-1]):
         return triton_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                       softmax_scale, sliding_window=sliding_window, cp=cp,
-                                      return_lse=return_lse, num_kv_splits=num_kv_splits)
-    if cp.size == 1 and compiled_for(q, kv_cache, out):
+                                      return_lse=return_lse, num_kv_splits=num_kv_splits,
+                                      k_scale=k_scale, v_scale=v_scale)
+    # The compiled kernel reads K/V in q's dtype, unscaled: a KV cache of its own dtype goes to
+    # the torch reference below, which widens and scales on read.
+    native_kv = kv_cache.dtype == q.dtype and k_scale == 1.0 == v_scale
+    if cp.size == 1 and native_kv and compiled_for(q, kv_cache, out):
         # Long query runs (prefill chunks) go through the torch path's batched GEMMs, which beat
         # the kernel's per-row loops there; the plan of those sequences is built once per step.
         split = None
@@ -138,7 +165,8 @@ def paged_attention(
                             sliding_window, cp, long_only=False)
     return paged_attention_ref(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                softmax_scale, sliding_window=sliding_window, cp=cp,
-                               return_lse=return_lse, plan=plan)
+                               return_lse=return_lse, plan=plan, k_scale=k_scale,
+                               v_scale=v_scale)
 
 
 def merge_attn_states(
@@ -162,6 +190,9 @@ def copy_blocks(
 __all__ = [
     "AttentionPlan",
     "CPLayout",
+    "FP8_E4M3",
+    "FP8_MAX",
+    "KV_STORAGE_DTYPES",
     "KernelArgumentError",
     "KernelDtypeError",
     "NO_CP",
@@ -171,13 +202,17 @@ __all__ = [
     "cp_local_seq_len",
     "cp_owner_and_offset",
     "cpu_paged_attention",
+    "dequantize_kv",
     "merge_attn_states",
     "merge_attn_states_ref",
+    "needs_scale",
     "paged_attention",
     "paged_attention_ref",
     "plan_paged_attention",
+    "quantize_kv",
     "reshape_and_cache",
     "reshape_and_cache_ref",
+    "scale_from_amax",
     "swap_blocks",
     "triton_copy_blocks",
     "triton_merge_attn_states",

@@ -13,9 +13,13 @@ import torch
 
 from pagedserve.kernels.cp_layout import CPLayout
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
+from pagedserve.kernels.kv_quant import FP8_E4M3, KV_STORAGE_DTYPES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TRITON_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What a KV cache may hold: the activations' dtype, or a narrower storage dtype (kv_quant).
+KV_CACHE_DTYPES = (*FLOAT_DTYPES, FP8_E4M3)
+TRITON_KV_CACHE_DTYPES = (*TRITON_FLOAT_DTYPES, FP8_E4M3)
 
 
 def _tensor(name: str, x: object) -> torch.Tensor:
@@ -59,6 +63,17 @@ def check_kv_cache(kv_cache: torch.Tensor, allowed: Sequence[torch.dtype]) -> tu
     return nb, bs, hkv, d
 
 
+def _kv_dtype_pairs(act: torch.dtype, kv_cache: torch.Tensor) -> bool:
+    """Activations of dtype ``act`` may be written to / read from this cache."""
+    return act == kv_cache.dtype or kv_cache.dtype in KV_STORAGE_DTYPES
+
+
+def check_kv_scales(k_scale: float, v_scale: float) -> None:
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(s, bool) or not isinstance(s, (float, int)) or not 0.0 < s < float("inf"):
+            raise KernelArgumentError(f"{name} must be a positive finite float, got {s!r}")
+
+
 def check_triton_head_dim(head_dim: int) -> None:
     """The Triton kernels tile the head dim with tl.arange, which needs a power of two."""
     if head_dim < 16 or head_dim > 512 or head_dim & (head_dim - 1):
@@ -73,7 +88,7 @@ def check_reshape_and_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    allowed: Sequence[torch.dtype] = FLOAT_DTYPES,
+    allowed: Sequence[torch.dtype] = KV_CACHE_DTYPES,
 ) -> None:
     _tensor("key", key)
     _tensor("value", value)
@@ -89,9 +104,11 @@ def check_reshape_and_cache(
             f"key is [T, {key.shape[1]}, {key.shape[2]}] but the cache holds [.., {hkv}, {d}]"
         )
     for name, x in (("key", key), ("value", value)):
-        if x.dtype != kv_cache.dtype:
+        _dtype(name, x, FLOAT_DTYPES)
+        if not _kv_dtype_pairs(x.dtype, kv_cache):
             raise KernelDtypeError(
-                f"{name} dtype {x.dtype} must equal kv_cache dtype {kv_cache.dtype}"
+                f"{name} dtype {x.dtype} must equal kv_cache dtype {kv_cache.dtype} (or the "
+                "cache be a KV storage dtype: bfloat16, float8_e4m3fn)"
             )
         _inner_contiguous(name, x)
     _ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
@@ -113,7 +130,7 @@ def check_paged_attention(
     softmax_scale: float,
     sliding_window: int | None,
     cp: CPLayout,
-    allowed: Sequence[torch.dtype] = FLOAT_DTYPES,
+    allowed: Sequence[torch.dtype] = KV_CACHE_DTYPES,
 ) -> tuple[int, ...]:
     """Returns (num_blocks, block_size, num_kv_heads, head_dim, num_q_heads, num_seqs)."""
     for name, x in (("q", q), ("out", out), ("cu_seqlens_q", cu_seqlens_q),
@@ -121,9 +138,11 @@ def check_paged_attention(
         _tensor(name, x)
     nb, bs, hkv, d = check_kv_cache(kv_cache, allowed)
     _ndim("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
-    if q.dtype != kv_cache.dtype or out.dtype != kv_cache.dtype:
+    _dtype("q", q, FLOAT_DTYPES)
+    if q.dtype != out.dtype or not _kv_dtype_pairs(q.dtype, kv_cache):
         raise KernelDtypeError(
             f"q ({q.dtype}), out ({out.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype"
+            " (a bfloat16 or float8_e4m3fn cache may serve any)"
         )
     hq = q.shape[1]
     if q.shape[2] != d:

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels._checks import (
-    TRITON_FLOAT_DTYPES,
+    TRITON_KV_CACHE_DTYPES,
+    check_kv_scales,
     check_paged_attention,
     check_triton_head_dim,
 )
@@ -45,7 +46,7 @@ def _local_len(n, CP_RANK, CP_SIZE, CP_INTERLEAVE):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T_q, H_q, D], float
-    kv_ptr,  # [num_blocks, 2, B, H_kv, D], float, contiguous
+    kv_ptr,  # [num_blocks, 2, B, H_kv, D], float or fp8 (read as stored * scale), contiguous
     out_ptr,  # [T_q, H_q, D] (one split) or [NUM_SPLITS, T_q, H_q, D] float32 scratch
     lse_ptr,  # [T_q, H_q] or [NUM_SPLITS, T_q, H_q], float32, natural log
     cu_seqlens_ptr,  # [num_seqs + 1], int32
@@ -53,6 +54,8 @@ def _paged_attention_kernel(
     block_table_ptr,  # [num_seqs, max_blocks], int32
     num_seqs,
     scale_log2,  # softmax_scale * log2(e)
+    k_scale,  # float: a key reads as stored * k_scale (DEQUANT only)
+    v_scale,
     window,  # sliding window in tokens (ignored unless HAS_WINDOW)
     cp_rank,
     cp_size,
@@ -76,6 +79,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DEQUANT: tl.constexpr,  # the cache's dtype or scales differ from q's: widen on load
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
@@ -137,6 +141,9 @@ def _paged_attention_kernel(
             k = tl.load(kv_ptr + base[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(kv_ptr + base[:, None] + BLOCK_SIZE * TOKEN_NUMEL + dims[None, :],
                         mask=k_ok[:, None], other=0.0)  # [TILE_N, D]
+            if DEQUANT:  # as vLLM's Triton attention: scale in float32, then q's dtype
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             # Global position of each local key (cp_layout.cp_global_position).
             local = j % BLOCK_SIZE
             key_pos = ((j // BLOCK_SIZE) * (BLOCK_SIZE * cp_size)
@@ -204,12 +211,15 @@ def paged_attention(
     cp: CPLayout = NO_CP,
     return_lse: bool = False,
     num_kv_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Triton twin of :func:`pagedserve.kernels.reference.paged_attention_ref`."""
     _, bs, h_kv, d, h_q, num_seqs = check_paged_attention(
         q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window,
-        cp, TRITON_FLOAT_DTYPES)
+        cp, TRITON_KV_CACHE_DTYPES)
     check_triton_head_dim(d)
+    check_kv_scales(k_scale, v_scale)
     if num_kv_splits is not None and num_kv_splits < 1:
         raise KernelArgumentError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     t_q = q.shape[0]
@@ -241,7 +251,8 @@ def paged_attention(
         dst_out, dst_lse = out, lse.unsqueeze(0)
     _paged_attention_kernel[(q_tiles, h_kv, splits)](
         q, kv_cache, dst_out, dst_lse, cu_seqlens_q, seq_lens, block_table,
-        num_seqs, float(softmax_scale) * _LOG2E, int(sliding_window or 0),
+        num_seqs, float(softmax_scale) * _LOG2E, float(k_scale), float(v_scale),
+        int(sliding_window or 0),
         cp.rank, cp.size, cp.interleave,
         q.stride(0), q.stride(1),
         dst_out.stride(0) if splits > 1 else 0, dst_out.stride(-3), dst_out.stride(-2),
@@ -250,6 +261,7 @@ def paged_attention(
         NUM_KV_HEADS=h_kv, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=d,
         BLOCK_SIZE=bs, TILE_N=tile_n, NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        DEQUANT=kv_cache.dtype != q.dtype or (k_scale, v_scale) != (1.0, 1.0),
         num_warps=num_warps,
     )
     if splits > 1:

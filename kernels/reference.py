@@ -21,12 +21,14 @@ import torch.nn.functional as F
 
 from pagedserve.kernels._checks import (
     check_copy_blocks,
+    check_kv_scales,
     check_merge,
     check_paged_attention,
     check_reshape_and_cache,
 )
 from pagedserve.kernels.cp_layout import NO_CP, CPLayout, cp_global_position, cp_local_seq_len
 from pagedserve.kernels.errors import KernelArgumentError
+from pagedserve.kernels.kv_quant import dequantize_kv, quantize_kv
 
 # Upper bound on elements of one score matrix [S, H_q, Q, N] built by the attention reference.
 _SCORE_BUDGET = 1 << 24
@@ -44,9 +46,15 @@ def reshape_and_cache_ref(
     value: torch.Tensor,  # [T, H_kv, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D], contiguous
     slot_mapping: torch.Tensor,  # [T], int32/int64; slot = block_id * B + offset; -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Writes each token's key and value into its cache slot; slots < 0 are left untouched."""
+    """Writes each token's key and value into its cache slot; slots < 0 are left untouched.
+
+    A cache of another dtype than the keys' (bfloat16, fp8) stores ``key / k_scale`` and
+    ``value / v_scale`` rounded to it, fp8 saturated at +-448 (``kv_quant.quantize_kv``)."""
     check_reshape_and_cache(key, value, kv_cache, slot_mapping)
+    check_kv_scales(k_scale, v_scale)
     bs = kv_cache.shape[2]
     slots = slot_mapping.long()
     if not bool((slots >= 0).all()):  # under CP; a boolean mask costs a scan, so only then
@@ -57,8 +65,12 @@ def reshape_and_cache_ref(
     width = kv_cache.shape[3] * kv_cache.shape[4]
     rows = kv_cache.view(kv_cache.shape[0] * 2 * bs, width)
     dst = (slots // bs) * (2 * bs) + slots % bs
-    rows.index_copy_(0, dst, key.reshape(key.shape[0], width).to(rows.dtype))
-    rows.index_copy_(0, dst + bs, value.reshape(value.shape[0], width).to(rows.dtype))
+    k = quantize_kv(key.reshape(key.shape[0], width), rows.dtype, k_scale)
+    v = quantize_kv(value.reshape(value.shape[0], width), rows.dtype, v_scale)
+    if rows.element_size() == 1:  # CPU index_copy_ has no fp8 kernel: copy the bytes
+        rows, k, v = rows.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    rows.index_copy_(0, dst, k.to(rows.dtype))
+    rows.index_copy_(0, dst + bs, v.to(rows.dtype))
 
 
 def _attend(
@@ -263,8 +275,13 @@ def paged_attention_ref(
     return_lse: bool = False,
     num_kv_splits: int | None = None,
     plan: AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Causal varlen attention of new tokens over their sequences' paged KV.
+
+    A cache of another dtype than ``q``'s is read as ``stored * k_scale`` (``v_scale``) in the
+    compute dtype (the inverse of :func:`reshape_and_cache_ref`'s write).
 
     Query ``i`` of a sequence with ``L`` tokens, ``q_len`` of them new, sits at global position
     ``L - q_len + i`` and sees keys at positions ``p <= pos`` (and ``p > pos - sliding_window``).
@@ -282,6 +299,7 @@ def paged_attention_ref(
     del num_kv_splits
     _, bs, hkv, d, hq, _ = check_paged_attention(
         q, kv_cache, out, cu_seqlens_q, seq_lens, block_table, softmax_scale, sliding_window, cp)
+    check_kv_scales(k_scale, v_scale)
     cdtype = compute_dtype(q.dtype)
     if plan is None:
         plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_table, block_size=bs,
@@ -305,8 +323,8 @@ def paged_attention_ref(
             la.scratch[kv_cache.dtype] = buf
         torch.index_select(rows_of, 0, la.k_rows, out=buf[0])
         torch.index_select(rows_of, 0, la.k_rows + bs * hkv, out=buf[1])
-        k = buf[0].view(ns, hkv, n, d).to(cdtype)
-        v = buf[1].view(ns, hkv, n, d).to(cdtype)
+        k = dequantize_kv(buf[0].view(ns, hkv, n, d), cdtype, k_scale)
+        v = dequantize_kv(buf[1].view(ns, hkv, n, d), cdtype, v_scale)
         nq = la.rows.shape[0] // ns
         qs = q.index_select(0, la.rows).view(ns, nq, hq, d).to(cdtype)
         o, lse = _attend(qs, k, v, la.bias, float(softmax_scale), need_lse)

@@ -50,6 +50,8 @@ def swap_blocks(
     s_idx = src_ids.to(src_caches[0].device, non_blocking=True)
     d_idx = dst_ids.to(dst_caches[0].device, non_blocking=True)
     for s, d in zip(src_caches, dst_caches, strict=True):
+        if s.element_size() == 1:  # an fp8 KV cache: CPU index_copy_ has no fp8 kernel
+            s, d = s.view(torch.uint8), d.view(torch.uint8)
         rows = s.index_select(0, s_idx)  # [n, 2, B, H_kv, D] on the source's device
         # A device -> host copy must land before the host-side scatter reads it: blocking.
         d.index_copy_(0, d_idx, rows.to(d.device, non_blocking=d.device.type != "cpu"))

@@ -45,7 +45,8 @@ class LLM:
     None for the default real model, SmolLM2-135M-Instruct.
     Keyword arguments are the flat engine options of ``EngineConfig`` (``block_size``,
     ``enable_prefix_caching``, ``max_model_len``, ``num_gpu_blocks``, ``kv_cache_memory_bytes``,
-    ``max_num_seqs``, ``tensor_parallel_size``, ``data_parallel_size``, ``ray_address``, ...);
+    ``kv_cache_dtype`` (``auto`` | ``bfloat16`` | ``fp8_e4m3``), ``max_num_seqs``,
+    ``tensor_parallel_size``, ``data_parallel_size``, ``ray_address``, ...);
     unknown names raise ``ConfigError``. ``backend`` is ``ray`` or ``local`` (see the module
     docstring).
     """

@@ -9,13 +9,16 @@ With ``layout.num_host_blocks`` the pool also holds the host tier: the same tens
 own block ids in host memory (pinned on GPU machines, so copies run asynchronously to the
 host's view; plain memory on CPU-only ones). Tier copies run on a stream of their own and the
 forward pass waits for them.
+
+``dtype`` is the KV cache's own (``workers.kv_dtype``): the layers quantize to it on write and
+widen from it on read with their per-layer ``k_scale`` / ``v_scale`` (1.0 until calibrated).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import swap_blocks
+from pagedserve.kernels import needs_scale, swap_blocks
 from pagedserve.messages import KVCacheLayout, LayerKVSpec
 from pagedserve.workers.layers.attention import PagedAttention
 
@@ -40,6 +43,8 @@ class KVPool:
         if covered != list(range(len(layers))):
             raise ValueError(f"KV groups {groups} do not cover layers 0..{len(layers) - 1}")
         self.layout = layout
+        self.dtype = dtype
+        self.layers = layers
         self.tensors: list[torch.Tensor] = []
         self.host_tensors: list[torch.Tensor] = []
         for j in range(len(groups[0])):
@@ -59,6 +64,22 @@ class KVPool:
             for j, layer_index in enumerate(group):
                 layers[layer_index].kv_cache = self.tensors[j]
                 layers[layer_index].kv_group = g
+        for layer in layers:  # a fresh pool holds nothing written with earlier scales
+            layer.k_scale = layer.v_scale = 1.0
+            layer.calibrate_kv_scales = False
+
+    def calibrate_kv_scales(self) -> bool:
+        """Arm every layer to take its fp8 scales from the next tokens it writes (the first
+        real prefill); False (nothing armed) for an unscaled cache dtype."""
+        if not needs_scale(self.dtype):
+            return False
+        for layer in self.layers:
+            layer.calibrate_kv_scales = True
+        return True
+
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Per layer ``(k_scale, v_scale)``."""
+        return [(layer.k_scale, layer.v_scale) for layer in self.layers]
 
     @property
     def num_bytes(self) -> int:

@@ -42,6 +42,7 @@ from pagedserve.parallel.state import (
 from pagedserve.workers.block_table import BlockTable, MultiGroupBlockTable
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
 from pagedserve.workers.input_batch import InputBatch
+from pagedserve.workers.kv_dtype import log_kv_cache_dtype, resolve_kv_cache_dtype
 from pagedserve.workers.kv_pool import KVPool
 from pagedserve.workers.layers.attention import PagedAttention
 from pagedserve.workers.loader import load_model, read_eos_token_ids, read_hf_config
@@ -77,6 +78,7 @@ class Worker:
         self.model: nn.Module | None = None
         self.arch: ModelArch | None = None
         self.dtype = torch.float32
+        self.kv_dtype = torch.float32  # the KV cache's own (cache.kv_cache_dtype)
         self.max_model_len = 0
         self.eos_token_ids: tuple[int, ...] = ()
         self.runner: ModelRunner | None = None
@@ -142,7 +144,11 @@ class Worker:
         self._check_dcp(self.arch)
         self.eos_token_ids = read_eos_token_ids(model_dir, read_hf_config(model_dir))
         self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_dtype = resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype)
+        if self.rank == 0:
+            log_kv_cache_dtype(self.kv_dtype, self.dtype, self.device)
+        # The block count follows the KV dtype: the controller divides the byte budget by it.
+        dtype_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
         specs = [
             LayerKVSpec(layer.num_kv_heads, layer.head_dim, dtype_bytes, layer.sliding_window)
             for layer in self._attention_layers()
@@ -196,7 +202,8 @@ class Worker:
         nblocks = math.ceil(tokens / bs) + 1
         layers = self._attention_layers()
         pool = KVPool(
-            KVCacheLayout(nblocks, bs, [list(range(len(layers)))]), layers, self.dtype, self.device
+            KVCacheLayout(nblocks, bs, [list(range(len(layers)))]), layers, self.kv_dtype,
+            self.device,
         )
         dev = self.device
         md = AttentionMetadata(
@@ -229,7 +236,7 @@ class Worker:
         if cp.size > 1 and layout.block_size == self.config.cache.block_size * cp.size:
             layout = dataclasses.replace(layout, block_size=self.config.cache.block_size)
         layers = self._attention_layers()
-        pool = KVPool(layout, layers, self.dtype, self.device)
+        pool = KVPool(layout, layers, self.kv_dtype, self.device)
         width = math.ceil(self.max_model_len / (layout.block_size * cp.size))
         max_reqs = self.config.scheduler.max_num_seqs
         tables = MultiGroupBlockTable(
@@ -250,6 +257,17 @@ class Worker:
             self.eos_token_ids,
         )
         warm_up(self.runner, len(layout.groups), layout.block_size * cp.size, self.max_model_len)
+        # After the warm-up, whose dummy tokens must not set the scales: the first real
+        # prefill does.
+        if self.config.cache.calculate_kv_scales:
+            pool.calibrate_kv_scales()
+
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Per attention layer ``(k_scale, v_scale)`` of the KV pool (1.0 unless fp8 scales
+        were calibrated)."""
+        if self.runner is None:
+            raise RuntimeError("init_kv_cache() must run before kv_scales()")
+        return self.runner.kv_pool.kv_scales()
 
     # -- steps -----------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from pagedserve.builder import BACKENDS
-from pagedserve.config import ALLOCATION_POLICIES, DTYPES, PREEMPTION_MODES
+from pagedserve.config import ALLOCATION_POLICIES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
@@ -23,6 +23,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     eng.add_argument("--max-pending-requests", type=int, default=4096,
                      help="requests held at once; more are refused (HTTP 503)")
     eng.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    eng.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                     help="the KV cache's dtype: auto (the model's), bfloat16 (2x the tokens "
+                          "of a float32 model in the same bytes) or fp8_e4m3 (4x; scaled)")
+    eng.add_argument("--calculate-kv-scales", action="store_true",
+                     help="fp8_e4m3: take each layer's K/V scales from the first prefill "
+                          "instead of 1.0")
     eng.add_argument("--num-gpu-blocks", type=int, default=None)
     eng.add_argument("--no-prefix-caching", action="store_true")
     eng.add_argument("--allocation-policy", default="paged", choices=ALLOCATION_POLICIES,
@@ -59,6 +65,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_pending_requests": args.max_pending_requests,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "calculate_kv_scales": args.calculate_kv_scales,
         "num_gpu_blocks": args.num_gpu_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,
         "allocation_policy": args.allocation_policy,

@@ -43,6 +43,10 @@ def test_defaults_and_engine_options() -> None:
     assert opts["enable_prefix_caching"] is False
     assert opts["tensor_parallel_size"] == 2 and opts["decode_context_parallel_size"] == 2
     assert opts["data_parallel_size"] == 1 and opts["ray_address"] is None
+    assert opts["kv_cache_dtype"] == "auto" and opts["calculate_kv_scales"] is False
+    args = _parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3", "--calculate-kv-scales"])
+    opts = engine_options(args)
+    assert opts["kv_cache_dtype"] == "fp8_e4m3" and opts["calculate_kv_scales"] is True
 
 
 def test_bad_engine_option_returns_2(capsys) -> None:

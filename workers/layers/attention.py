@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels import paged_attention, reshape_and_cache
+from pagedserve.kernels import paged_attention, reshape_and_cache, scale_from_amax
 from pagedserve.parallel import comm
 from pagedserve.parallel.state import ParallelState
 from pagedserve.workers.context import get_forward_context
@@ -43,6 +43,9 @@ class PagedAttention(nn.Module):
         self.dcp = dcp or ParallelState()
         self.kv_group = 0
         self.kv_cache: torch.Tensor | None = None  # [NB, 2, B, Hkv, D], bound by kv_pool
+        self.k_scale = 1.0  # the cache holds K / k_scale (fp8 caches; set by kv_pool)
+        self.v_scale = 1.0
+        self.calibrate_kv_scales = False  # take the scales from the next tokens written
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D], contiguous; k, v: [T, Hkv, D], may be views -> out [T, Hq, D]
@@ -50,7 +53,9 @@ class PagedAttention(nn.Module):
             raise RuntimeError(f"layer {self.layer_index} has no KV cache bound")
         ctx = get_forward_context()
         md = ctx.groups[self.kv_group]
-        reshape_and_cache(k, v, self.kv_cache, md.slot_mapping)
+        if self.calibrate_kv_scales:
+            self._calibrate(k, v, md.slot_mapping)
+        reshape_and_cache(k, v, self.kv_cache, md.slot_mapping, self.k_scale, self.v_scale)
         w = self.dcp.size
         if w > 1:
             q = comm.all_gather(q, self.dcp, dim=1)  # [T, W * Hq, D]
@@ -67,6 +72,8 @@ class PagedAttention(nn.Module):
             cp=ctx.cp,
             return_lse=w > 1,
             plans=md.plans,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         if w == 1:
             return out
@@ -76,3 +83,13 @@ class PagedAttention(nn.Module):
         share = torch.exp(lse - total).nan_to_num(0.0)  # [T, W * Hq]
         mine = comm.reduce_scatter(out.float() * share.unsqueeze(-1), self.dcp, dim=1)
         return mine.to(out.dtype)  # [T, Hq, D]
+
+    def _calibrate(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scales from the amax of the tokens written now (slot >= 0: padding rows excluded),
+        once; a step that writes nothing leaves the calibration armed. Syncs once per layer."""
+        keep = slot_mapping >= 0  # [T]
+        if not bool(keep.any()):
+            return
+        self.k_scale = scale_from_amax(float(k[keep].abs().max()))
+        self.v_scale = scale_from_amax(float(v[keep].abs().max()))
+        self.calibrate_kv_scales = False
