@@ -20,6 +20,7 @@ ALLOCATION_POLICIES = ("paged", "reserve")
 PREEMPTION_MODES = ("recompute", "swap")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 
 
 def cache_root() -> Path:
@@ -79,11 +80,17 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest prompt + output in tokens; None takes the checkpoint's limit."""
     seed: int = 0
+    quantization: str = "auto"
+    """Linear weights: ``int8`` weight-only per output channel; ``gguf`` a GGUF file's Q4_0 /
+    Q4_1 / Q8_0 blocks as stored (CPU); ``none`` the weights as loaded (a GGUF file
+    dequantized); ``auto`` is ``gguf`` for a converted GGUF file, ``none`` otherwise
+    (``workers/quantize.py``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise ConfigError("model", f"must be a path string, got {self.model!r}")
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_optional_int("max_model_len", self.max_model_len, 1)
         _check_int("seed", self.seed, 0)
 

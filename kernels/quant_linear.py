@@ -38,6 +38,7 @@ __all__ = [
     "int8_linear_ref",
     "pack_int4",
     "quantize_int8",
+    "quantized_linear",
 ]
 
 GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block length
@@ -179,3 +180,12 @@ def int4_linear_ref(
     """The reference: the dequantized weight through ``F.linear`` in x's dtype."""
     w = dequantize_int4_ref(codes, scales, zeros).to(x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [..., in] -> [..., out] through the kernel of ``weight``'s layout."""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
+    return int4_linear(x, weight, bias)
