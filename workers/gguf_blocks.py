@@ -108,8 +108,10 @@ def write_blocks(gguf_path: Path, skeleton: Any, config: dict[str, Any], out_dir
         blocks[hf_name] = torch.from_numpy(np.array(rows, dtype=np.uint8))  # a writable copy
         kinds[hf_name] = kind
     if blocks:
-        (out_dir / BLOCKS_FILE).parent.mkdir(parents=True, exist_ok=True)
-        save_file(blocks, str(out_dir / BLOCKS_FILE), metadata=kinds)
+        file = out_dir / BLOCKS_FILE
+        file.parent.mkdir(parents=True, exist_ok=True)
+        save_file(blocks, str(file), metadata=kinds)
+        file.chmod(0o644)  # readable by every user of the cache (safetensors: owner-only)
     return len(blocks)
 
 
