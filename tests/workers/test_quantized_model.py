@@ -153,3 +153,18 @@ def test_gguf_serves_through_llm_and_none_keeps_the_float_path(converted: Path) 
     worst = max(abs(a - b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g,
                                                                                      strict=True))
     assert 0.0 < worst <= LOGPROB_TOL
+
+
+def test_serve_flag_reaches_the_config() -> None:
+    import argparse
+
+    from pagedserve.config import from_flat
+    from pagedserve.serving.cli.engine_args import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--quantization", "int8"])
+    assert from_flat(model="x", **engine_options(args)).model.quantization == "int8"
+    assert parser.parse_args([]).quantization == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])
