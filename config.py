@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 # Bytes per element of each named dtype (the KV arithmetic of code that has no torch).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 
 
 def cache_root() -> Path:
@@ -90,11 +91,17 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest prompt + output in tokens; None takes the checkpoint's limit."""
     seed: int = 0
+    quantization: str = "auto"
+    """Linear weights: ``int8`` weight-only per output channel; ``gguf`` a GGUF file's Q4_0 /
+    Q4_1 / Q8_0 blocks as stored (CPU); ``none`` the weights as loaded (a GGUF file
+    dequantized); ``auto`` is ``gguf`` for a converted GGUF file, ``none`` otherwise
+    (``workers/quantize.py``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):
             raise ConfigError("model", f"must be a path string, got {self.model!r}")
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_optional_int("max_model_len", self.max_model_len, 1)
         _check_int("seed", self.seed, 0)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.linear import PACK_MIN_ELEMENTS, linear, pack_weight
+from pagedserve.kernels.quant_linear import Int4Weight, Int8Weight, quantized_linear
 from pagedserve.parallel import comm
 from pagedserve.parallel.state import ParallelState, divide
 
@@ -43,12 +44,24 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 class _PackableWeight(nn.Module):
     """A layer whose ``weight`` moves, after loading, into the layout ``kernels.linear`` packs
-    for the CPU; the packed copy then replaces the parameter (one copy in memory)."""
+    for the CPU; the packed copy then replaces the parameter (one copy in memory). A quantized
+    weight (``use_quantized``, ``workers/quantize.py``) replaces it likewise."""
 
     packed: torch.Tensor | None = None
+    quant: Int8Weight | Int4Weight | None = None
+
+    def use_quantized(self, weight: Int8Weight | Int4Weight) -> None:
+        self.quant = weight
+        self.packed = None
+        self.weight = None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return quantized_linear(x, self.quant, bias)
+        return linear(x, self.weight, self.packed, bias)
 
     def pack(self, keep_weight: bool = False) -> bool:
-        if self.weight.numel() < PACK_MIN_ELEMENTS:
+        if self.quant is not None or self.weight.numel() < PACK_MIN_ELEMENTS:
             return False
         packed = pack_weight(self.weight)
         if packed is None:
@@ -86,7 +99,7 @@ class ColumnParallelLinear(_PackableWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out / tp]
-        return linear(x, self.weight, self.packed, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -179,7 +192,7 @@ class RowParallelLinear(_PackableWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]; the bias is added once, after the reduction.
-        y = comm.all_reduce(linear(x, self.weight, self.packed), self.state)
+        y = comm.all_reduce(self._matmul(x, None), self.state)
         return y if self.bias is None else y + self.bias
 
 
@@ -230,7 +243,7 @@ class ParallelLMHead(VocabParallelEmbedding, _PackableWeight):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, dim] -> logits [N, vocab]
-        logits = linear(hidden, self.weight, self.packed)
+        logits = self._matmul(hidden, None)
         if self.state.size > 1:
             logits = comm.all_gather(logits, self.state, dim=-1)
         return logits[..., : self.vocab_size]

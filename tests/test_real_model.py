@@ -3,8 +3,10 @@
 
 The converted checkpoint computes exactly the logits transformers computes on the GGUF file
 itself; ``LLM()`` with no model serves it; chat prompts are the tokenizer's chat template;
-greedy float32 replies equal transformers' token for token and stop on the model's EOS; and
-the France question is answered with Paris.
+greedy float32 replies over the dequantized weights (``quantization="none"``) equal
+transformers' token for token and stop on the model's EOS; the default serves the file's
+Q4_1 blocks; and the France question is answered with Paris (the ``generate`` command's test
+through the default, quantized path).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def hf() -> tuple[Any, Any]:
 def llm(real_model_cache):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(real_model_cache))
-        engine = LLM(dtype="float32")  # no model: the default one
+        # no model: the default one; dequantized, as transformers computes it from the file
+        engine = LLM(dtype="float32", quantization="none")
     yield engine
     engine.shutdown()
 
@@ -95,6 +98,22 @@ def test_converted_checkpoint_gives_transformers_gguf_logits(hf, llm) -> None:
     ids = torch.tensor([_template_ids(tokenizer, user_turn(QUESTIONS[0]))])
     with torch.no_grad():
         assert torch.equal(converted(ids).logits, model(ids).logits)
+
+
+def test_default_quantization_serves_the_q4_1_blocks(llm) -> None:
+    import torch
+
+    from pagedserve.kernels.quant_linear import Int4Weight
+    from pagedserve.parallel.state import ParallelState
+    from pagedserve.workers.loader import load_model
+
+    model, _, _ = load_model(llm.config.model.model, "float32", torch.device("cpu"),
+                             ParallelState(0, 1))  # quantization "auto"
+    linears = [lin for layer in model.model.layers
+               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert len(linears) == 120 and all(isinstance(lin.quant, Int4Weight) for lin in linears)
+    assert model.lm_head.quant is None  # tied to the embedding, which stays dequantized
 
 
 def test_chat_prompts_are_the_chat_template(hf, llm) -> None:

@@ -3,10 +3,13 @@
 The engine loads Hugging Face directories (``config.json`` + safetensors), so a GGUF file is
 converted once: its metadata becomes ``config.json`` and ``generation_config.json``, its
 tokenizer (vocabulary, merges, special tokens, chat template) the tokenizer files, and its
-tensors, dequantized, ``model.safetensors`` in float32 (or the dtype asked). The reading is
-the ecosystem's: ``gguf``'s reader and dequantization through transformers' GGUF loader, which
-also undoes llama.cpp's rotary permutation of the Q/K projections, so the converted checkpoint
-computes exactly what ``transformers`` computes when it loads the same file itself.
+tensors, dequantized, ``model.safetensors`` in float32 (or the dtype asked); the Q4_0, Q4_1 and
+Q8_0 linear weights are also kept as they are, in blocks (``workers/gguf_blocks.py``), which
+the loader serves quantized by default (``quantization``, ``workers/quantize.py``). The
+reading is the ecosystem's: ``gguf``'s reader and dequantization through transformers' GGUF
+loader, which also undoes llama.cpp's rotary permutation of the Q/K projections, so the
+converted checkpoint computes exactly what ``transformers`` computes when it loads the same
+file itself.
 
 ``cached_gguf_checkpoint`` converts into the user cache (``$XDG_CACHE_HOME/pagedserve/<stem>``,
 default ``~/.cache``) once per file version: a stamp beside the weights records the file's path,
@@ -45,7 +48,8 @@ __all__ = [
 # workers/models (llama.cpp writes Mistral checkpoints as "llama" too).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 STAMP_FILE = "pagedserve-gguf-source.json"
-FORMAT_VERSION = 1  # bump when the conversion's output changes, so caches convert again
+# Bump when the conversion's output changes, so caches convert again (2: the GGUF blocks kept).
+FORMAT_VERSION = 2
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -152,6 +156,7 @@ def _convert(info: GGUFInfo, out: Path, dtype: str) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from pagedserve.workers.gguf_blocks import write_blocks
     from pagedserve.workers.loader import read_model_arch
 
     out.mkdir(parents=True, exist_ok=True)
@@ -192,6 +197,7 @@ def _convert(info: GGUFInfo, out: Path, dtype: str) -> Path:
     weights = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items() if k in expected}
     del tensors
     save_weights(weights, out / "model.safetensors")
+    write_blocks(info.path, skeleton, cfg, out)  # served quantized unless asked otherwise
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out)

@@ -23,6 +23,7 @@ from pagedserve.parallel.state import ParallelState
 from pagedserve.workers.errors import ModelLoadError, UnsupportedModelError
 from pagedserve.workers.models.arch import ModelArch, read_arch
 from pagedserve.workers.models.registry import model_class, supported_architectures
+from pagedserve.workers.quantize import quantize_model, resolve_quantization
 
 _DTYPES = {
     "float32": torch.float32,
@@ -170,11 +171,14 @@ def load_model(
     state: ParallelState,
     max_model_len: int | None = None,
     dcp: ParallelState | None = None,
+    quantization: str = "auto",
 ) -> tuple[nn.Module, ModelArch, torch.dtype]:
-    """Build the model for this rank and load its weight shard. Returns (model, arch, dtype)."""
+    """Build the model for this rank and load its weight shard, quantized per ``quantization``
+    (``workers/quantize.py``). Returns (model, arch, dtype)."""
     path = Path(model_dir)
     arch = read_model_arch(read_hf_config(path))
     torch_dtype = resolve_dtype(dtype, arch.checkpoint_dtype, device)
+    quant_mode = resolve_quantization(quantization, path, device)
     max_position = max(max_model_len or 0, arch.max_position_embeddings)
     model = build_model(arch, max_position, torch_dtype, device, state, dcp)
     try:
@@ -185,5 +189,6 @@ def load_model(
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    quantize_model(model, quant_mode, path)  # after the check, like packing: weights go
     pack_weights(model)  # after the check: packed layers no longer list their weight
     return model, arch, torch_dtype

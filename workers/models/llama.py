@@ -180,6 +180,14 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def checkpoint_target(self, name: str) -> tuple[str, str | int | None]:
+        """The parameter a checkpoint tensor loads into and its shard id in a fused weight
+        (None where the parameter is the tensor's own)."""
+        for ckpt_part, ours, shard_id in _STACKED:
+            if f".{ckpt_part}." in name:
+                return name.replace(ckpt_part, ours), shard_id
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by Hugging Face name; returns the parameter names filled."""
         params = dict(self.named_parameters())
@@ -189,18 +197,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # tied checkpoints sometimes store both copies
-            for ckpt_part, ours, shard_id in _STACKED:
-                if f".{ckpt_part}." in name:
-                    target = name.replace(ckpt_part, ours)
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard_id)
-                    loaded.add(target)
-                    break
+            target, shard_id = self.checkpoint_target(name)
+            if target not in params:
+                raise KeyError(f"unexpected checkpoint tensor {name!r}")
+            param = params[target]
+            if shard_id is not None:
+                param.weight_loader(param, tensor, shard_id)
             else:
-                if name not in params:
-                    raise KeyError(f"unexpected checkpoint tensor {name!r}")
-                param = params[name]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, tensor)
-                loaded.add(name)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
         return loaded

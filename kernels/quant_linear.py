@@ -1,0 +1,191 @@
+"""Weight-only quantized matmuls, ``y = x W^T (+ b)`` with W held in int8 or int4.
+
+Two layouts, each on an aten CPU kernel with a pure-torch reference beside it:
+
+- **int8 per output channel** (``quantize_int8``): ``W[n, k] = q[n, k] * s[n]``, q int8 in
+  [-127, 127], s = max|W[n, :]| / 127. Runs through ``aten._weight_int8pack_mm``.
+- **int4 in groups of 32 along the input dim** (``pack_int4``), the layout of GGUF's Q4_0 and
+  Q4_1 blocks: ``W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g]`` with q in [0, 15] and
+  ``g = k // 32``. That is aten's convention (``_weight_int4pack_mm_for_cpu``, weights packed
+  by ``_convert_weight_to_int4pack_for_cpu``); ``tests/kernels/test_quant_linear.py`` checks
+  it against float64. Q4_1 (``d * q + m``) is ``s = d, z = m + 8 d``; Q4_0 (``d * (q - 8)``)
+  is ``s = d, z = 0``.
+
+Casts: both aten kernels take the activations and the scales in one dtype and vectorise only
+bfloat16 (float32 runs a scalar loop, about 10x slower on this AVX2 machine:
+``benchmarks/quant_memory.py`` measures it), so the activations are cast to bfloat16, the
+kernel accumulates in float32 and rounds its output to bfloat16, and the result is cast back
+to the caller's dtype. The scales are stored in bfloat16 for the kernel (a relative rounding of
+at most 2**-9 per scale); the float32 originals are not kept. ``compute_dtype=torch.float32``
+runs the kernels' exact path (tests use it to check the layout convention exactly). Both
+kernels are CPU ones: off the CPU, int8 takes the reference (dequantize, then ``F.linear``)
+and the loader keeps GGUF weights dequantized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "GROUP_SIZE",
+    "Int4Weight",
+    "Int8Weight",
+    "dequantize_int4_ref",
+    "int4_linear",
+    "int4_linear_ref",
+    "int8_linear",
+    "int8_linear_ref",
+    "pack_int4",
+    "quantize_int8",
+    "quantized_linear",
+]
+
+GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block length
+_KERNEL_DTYPE = torch.bfloat16
+_INNER_K_TILES = 2  # the packing's K tiling; K must be a multiple of 16 * this
+_N_MULTIPLE = 16  # the packing's N tiling (aten refuses other output sizes)
+
+
+class Int8Weight:
+    """An int8 weight ``[out, in]`` and its per-channel scale ``[out]`` in the kernel dtype."""
+
+    __slots__ = ("qweight", "scale")
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.qweight = qweight
+        self.scale = scale
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scale.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.double() * self.scale.double()[:, None]
+
+
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = _KERNEL_DTYPE) -> Int8Weight:
+    """Symmetric per-output-channel int8: ``weight [out, in]`` -> ``q * s``, q in [-127, 127].
+
+    The codes are rounded against the scale as stored (``scale_dtype``), so the bfloat16
+    rounding of a scale moves no weight by more than half a step."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = (amax / 127.0).to(scale_dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scale.contiguous())
+
+
+def int8_linear(
+    x: torch.Tensor,
+    weight: Int8Weight,
+    bias: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = _KERNEL_DTYPE,
+) -> torch.Tensor:
+    """x: [..., in] -> [..., out] in x's dtype (see the module docstring for the casts)."""
+    if x.device.type != "cpu":
+        return int8_linear_ref(x, weight, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(compute_dtype)
+    y = torch.ops.aten._weight_int8pack_mm(x2, weight.qweight, weight.scale.to(compute_dtype))
+    y = y.to(x.dtype).view(*lead, -1)
+    return y if bias is None else y + bias
+
+
+def int8_linear_ref(
+    x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The dequantized weight through ``F.linear`` in x's dtype (float64 in the tests)."""
+    w = weight.dequantize().to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+class Int4Weight:
+    """An int4 weight packed for the CPU kernel: ``packed`` [out, in / 2] uint8 and
+    ``scale_zeros`` [in / 32, out, 2] (scale, zero) in the kernel dtype; ``out`` x ``in``."""
+
+    __slots__ = ("in_features", "out_features", "packed", "scale_zeros")
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out: int, inp: int) -> None:
+        self.packed = packed
+        self.scale_zeros = scale_zeros
+        self.out_features = out
+        self.in_features = inp
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zeros.nbytes
+
+
+def pack_int4(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    scale_dtype: torch.dtype = _KERNEL_DTYPE,
+) -> Int4Weight:
+    """codes [out, in] in [0, 15], scales and zeros [out, in / 32]: ``W = (q - 8) s + z``."""
+    n, k = codes.shape
+    if k % GROUP_SIZE or k % (16 * _INNER_K_TILES) or scales.shape != (n, k // GROUP_SIZE):
+        raise ValueError(
+            f"int4 groups of {GROUP_SIZE}: codes {tuple(codes.shape)} need scales "
+            f"[{n}, {k // GROUP_SIZE}] and an input size divisible by {GROUP_SIZE}, "
+            f"got scales {tuple(scales.shape)}"
+        )
+    if n % _N_MULTIPLE:
+        raise ValueError(
+            f"the int4 kernel needs an output size divisible by {_N_MULTIPLE}; got {n}"
+        )
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+        raise ValueError("int4 codes must lie in [0, 15]")
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        codes.to(torch.int32).contiguous(), _INNER_K_TILES
+    )
+    # [out, groups] x 2 -> [groups, out, 2], the kernel's layout
+    sz = torch.stack([scales.float(), zeros.float()], dim=-1).transpose(0, 1)
+    return Int4Weight(packed, sz.to(scale_dtype).contiguous(), n, k)
+
+
+def dequantize_int4_ref(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    """``(q - 8) s + z`` in float64: codes [out, in], scales and zeros [out, in / 32]."""
+    s = scales.double().repeat_interleave(GROUP_SIZE, dim=1)
+    z = zeros.double().repeat_interleave(GROUP_SIZE, dim=1)
+    return (codes.double() - 8.0) * s + z
+
+
+def int4_linear(
+    x: torch.Tensor,
+    weight: Int4Weight,
+    bias: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = _KERNEL_DTYPE,
+) -> torch.Tensor:
+    """x: [..., in] -> [..., out] in x's dtype (see the module docstring for the casts)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(compute_dtype)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x2, weight.packed, GROUP_SIZE, weight.scale_zeros.to(compute_dtype)
+    )
+    y = y.to(x.dtype).view(*lead, -1)
+    return y if bias is None else y + bias
+
+
+def int4_linear_ref(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference: the dequantized weight through ``F.linear`` in x's dtype."""
+    w = dequantize_int4_ref(codes, scales, zeros).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [..., in] -> [..., out] through the kernel of ``weight``'s layout."""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
+    return int4_linear(x, weight, bias)

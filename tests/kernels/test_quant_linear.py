@@ -1,0 +1,110 @@
+"""The weight-only int8 and int4 matmuls against float64, and aten's int4 layout convention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels.quant_linear import (
+    GROUP_SIZE,
+    dequantize_int4_ref,
+    int4_linear,
+    int4_linear_ref,
+    int8_linear,
+    int8_linear_ref,
+    pack_int4,
+    quantize_int8,
+)
+
+# bfloat16 activations and output (8 significant bits) against float64: a few 2**-8 of the
+# output's scale, summed over K products in float32 inside the kernel.
+BF16_REL = 2e-2
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("shape", [(96, 64), (130, 256)])
+def test_int8_matches_float64(rows, shape) -> None:
+    g = torch.Generator().manual_seed(rows)
+    n, k = shape
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g)
+    q = quantize_int8(w)
+    assert q.qweight.dtype == torch.int8 and q.qweight.shape == (n, k)
+    assert int(q.qweight.abs().max()) <= 127
+    # the quantization itself: no weight further than half a step from the original
+    step = q.scale.double()[:, None]
+    assert ((q.dequantize() - w.double()).abs() <= step / 2 + 1e-12).all()
+    want = int8_linear_ref(x.double(), q, b.double())
+    got = int8_linear(x, q, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert _rel(got, want) <= BF16_REL
+    exact = int8_linear(x, q, b, compute_dtype=torch.float32)
+    assert _rel(exact, want) <= 1e-5
+
+
+def test_int8_takes_leading_dims() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = quantize_int8(torch.randn(32, 64, generator=g))
+    x = torch.randn(2, 3, 64, generator=g)
+    got = int8_linear(x, q)
+    assert got.shape == (2, 3, 32)
+    assert torch.equal(got, int8_linear(x.reshape(6, 64), q).reshape(2, 3, 32))
+
+
+def _random_int4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // GROUP_SIZE, generator=g) + 0.1
+    zeros = torch.randn(n, k // GROUP_SIZE, generator=g)
+    return codes, scales, zeros
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("shape", [(64, 64), (208, 320)])
+def test_int4_convention_is_q_minus_8_times_scale_plus_zero(rows, shape) -> None:
+    # float32 activations and scales run the kernel's exact path: only float32 summation
+    # separates it from the float64 dequantization, so a wrong offset or sign cannot pass.
+    g = torch.Generator().manual_seed(rows)
+    codes, scales, zeros = _random_int4(*shape, g)
+    x = torch.randn(rows, shape[1], generator=g)
+    want = int4_linear_ref(x.double(), codes, scales, zeros)
+    w = pack_int4(codes, scales, zeros, scale_dtype=torch.float32)
+    got = int4_linear(x, w, compute_dtype=torch.float32)
+    assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
+    assert _rel(got, want) <= 1e-5
+    unsigned = torch.nn.functional.linear(x.double(), codes.double() * scales.double()
+                                          .repeat_interleave(GROUP_SIZE, 1))
+    assert _rel(got, unsigned) > 1e-2  # not q * s: the offset of 8 matters
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_int4_bfloat16_kernel_matches_float64(rows) -> None:
+    g = torch.Generator().manual_seed(7 + rows)
+    codes, scales, zeros = _random_int4(96, 128, g)
+    x = torch.randn(rows, 128, generator=g)
+    b = torch.randn(96, generator=g)
+    got = int4_linear(x, pack_int4(codes, scales, zeros), b)
+    want = int4_linear_ref(x.double(), codes, scales, zeros, b.double())
+    assert got.dtype == torch.float32
+    assert _rel(got, want) <= BF16_REL
+
+
+def test_int4_dequantization_reference() -> None:
+    codes = torch.tensor([[0, 8, 15] + [8] * 29], dtype=torch.uint8)
+    w = dequantize_int4_ref(codes, torch.tensor([[0.5]]), torch.tensor([[1.0]]))
+    assert w[0, :3].tolist() == [-3.0, 1.0, 4.5]
+
+
+def test_int4_refuses_bad_shapes() -> None:
+    codes = torch.zeros(16, 48, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="groups of 32"):
+        pack_int4(codes, torch.ones(16, 1), torch.zeros(16, 1))
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        big = torch.full((16, 32), 16, dtype=torch.uint8)
+        pack_int4(big, torch.ones(16, 1), torch.zeros(16, 1))
+    with pytest.raises(ValueError, match="divisible by 16"):
+        pack_int4(torch.zeros(20, 32, dtype=torch.uint8), torch.ones(20, 1), torch.zeros(20, 1))
