@@ -2,8 +2,9 @@
 
 The un-prefixed names dispatch on the device of their tensors: CUDA tensors go to the Triton
 kernels (falling back to the torch reference, which runs on any device, for shapes or dtypes the
-kernels do not support, e.g. a head dim that is not a power of two or float64); float32 on CPU
-goes to the compiled kernels of ``kernels.cpu`` (without context parallelism, once built);
+kernels do not support, e.g. a head dim that is not a power of two or float64); float32 and
+bfloat16 on CPU go to the compiled kernels of ``kernels.cpu`` (without context parallelism, once
+built; q, out and the cache of one dtype, as the torch path requires);
 everything else goes to the torch reference. ``triton_*`` and ``*_ref`` pick an implementation
 explicitly (the tests run both on CPU, Triton through ``TRITON_INTERPRET=1``).
 
@@ -65,6 +66,10 @@ def _use_triton(x: torch.Tensor, head_dim: int | None = None) -> bool:
     return head_dim is None or (16 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0)
 
 
+def _one_dtype(*tensors: torch.Tensor) -> bool:
+    return len({t.dtype for t in tensors}) == 1
+
+
 def _cached_plan(
     plans: dict[tuple, AttentionPlan], q: torch.Tensor, kv_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -94,7 +99,7 @@ def reshape_and_cache(
     scales; see ``reshape_and_cache_ref``."""
     if _use_triton(key):
         triton_reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
-    elif (key.dtype == kv_cache.dtype and k_scale == 1.0 == v_scale
+    elif (_one_dtype(key, value, kv_cache) and k_scale == 1.0 == v_scale
           and compiled_for(key, value, kv_cache)):
         # The compiled write copies in the model's dtype: a cache of another dtype (or scaled)
         # takes the torch reference, which quantizes.
@@ -135,7 +140,7 @@ def paged_attention(
                                       k_scale=k_scale, v_scale=v_scale)
     # The compiled kernel reads K/V in q's dtype, unscaled: a KV cache of its own dtype goes to
     # the torch reference below, which widens and scales on read.
-    native_kv = kv_cache.dtype == q.dtype and k_scale == 1.0 == v_scale
+    native_kv = _one_dtype(q, kv_cache, out) and k_scale == 1.0 == v_scale
     if cp.size == 1 and native_kv and compiled_for(q, kv_cache, out):
         # Long query runs (prefill chunks) go through the torch path's batched GEMMs, which beat
         # the kernel's per-row loops there; the plan of those sequences is built once per step.

@@ -8,8 +8,10 @@ The library is built on first use with the machine's C++ compiler
 ``XDG_CACHE_HOME``, which deployments and tests point at per-model caches: each would rebuild),
 the key covering the source, the flags, torch's version and the CPU's instruction sets (it is
 built with ``-march=native``), so a home shared by machines of different CPUs never loads a
-foreign build. Where no compiler works, :func:`cpu_ops` returns None once, with a
-warning, and the dispatcher keeps the torch reference.
+foreign build. The kernels take float32 and bfloat16 (``compiled_for``); bf16 is converted
+to float32 by bit shifts in plain C++ (``csrc/bf16.h``), which ``-march=native`` vectorises for
+whatever the machine has, AVX2 or AVX-512. Where no compiler works, :func:`cpu_ops` returns
+None once, with a warning, and the dispatcher keeps the torch reference.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,30 +27,22 @@ from typing import Any
 
 import torch
 
+from pagedserve.kernels.cpu_caps import cpu_flags_line
 from pagedserve.kernels.errors import KernelArgumentError
 
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                 for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "vec_exp.h"))
+                 for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "vec_exp.h",
+                              "bf16.h"))
 _LIB = "pagedserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _build_dir() -> Path:
     key = hashlib.sha256()
     for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_FLAGS).encode(),
-                 torch.__version__.encode(), _cpu_flags().encode()):
+                 torch.__version__.encode(), cpu_flags_line().encode()):
         key.update(part)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"pagedserve-cpu-{key.hexdigest()[:16]}"
@@ -97,16 +90,20 @@ def cpu_ops() -> Any:
         return None
 
 
+COMPILED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def compiled_for(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled kernels serve these tensors: all float32 on the CPU, library built."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    """Whether the compiled kernels serve these tensors: all on the CPU in one of
+    ``COMPILED_DTYPES`` (each op's dispatcher says which may differ), library built."""
+    return (all(t.device.type == "cpu" and t.dtype in COMPILED_DTYPES for t in tensors)
             and cpu_ops() is not None)
 
 
 def cpu_paged_attention(
-    q: torch.Tensor,  # [T_q, H_q, D] float32, unit stride in D
-    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D] float32, contiguous
-    out: torch.Tensor,  # [T_q, H_q, D] float32, unit stride in D; written
+    q: torch.Tensor,  # [T_q, H_q, D] float32 or bfloat16, unit stride in D
+    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D] q's dtype or bfloat16, contiguous
+    out: torch.Tensor,  # [T_q, H_q, D] q's dtype, unit stride in D; written
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     block_table: torch.Tensor,  # [num_seqs, max_blocks] int32

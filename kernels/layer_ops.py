@@ -1,9 +1,10 @@
 """A decoder layer's pointwise ops: RMSNorm (alone or after the residual add), rotary
 embedding, SiLU-and-mul.
 
-Each is a torch expression (``*_ref``, any device and dtype; the semantics) and, for float32 on
-CPU once the compiled library is built (``kernels.cpu``), one pass of ``csrc/layers_cpu.cpp``
-in place of the expression's 4-8 operator launches. CUDA keeps the torch expressions.
+Each is a torch expression (``*_ref``, any device and dtype; the semantics) and, for float32 or
+bfloat16 on CPU once the compiled library is built (``kernels.cpu``), one pass of
+``csrc/layers_cpu.cpp`` in place of the expression's 4-8 operator launches (bf16 math in float32
+there, rounded once per result). CUDA keeps the torch expressions.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.cpu import compiled_for, cpu_ops
+
+
+def _one_dtype(*tensors: torch.Tensor) -> bool:
+    return len({t.dtype for t in tensors}) == 1
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -23,7 +28,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim of ``x`` [..., H]."""
-    if x.dim() == 2 and x.stride(-1) == 1 and compiled_for(x, weight):
+    if x.dim() == 2 and x.stride(-1) == 1 and _one_dtype(x, weight) and compiled_for(x, weight):
         return cpu_ops().rms_norm(x, weight, float(eps))
     return rms_norm_ref(x, weight, eps)
 
@@ -42,7 +47,7 @@ def add_rms_norm_(
     """``residual += x`` in place, then ``rms_norm(residual)``: a decoder layer's residual add
     and the norm after it, in one pass over the rows where the compiled kernel serves."""
     if (x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1
-            and compiled_for(residual, x, weight)):
+            and _one_dtype(residual, x, weight) and compiled_for(residual, x, weight)):
         return cpu_ops().add_rms_norm_(residual, x, weight, float(eps))
     return add_rms_norm_ref(residual, x, weight, eps)
 
@@ -71,7 +76,9 @@ def rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Half-rotation RoPE of q [T, H_q, D] and k [T, H_kv, D] at ``positions``; the results are
     contiguous (the inputs may be views of a fused projection)."""
+    # cos, sin stay float32 under a bf16 model: the kernel rotates in float32.
     if (q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.int64
+            and _one_dtype(q, k) and _one_dtype(cos, sin) and cos.dtype == torch.float32
             and compiled_for(q, k, cos, sin)):
         return cpu_ops().rotary(q, k, positions.contiguous(), cos, sin)
     return rotary_ref(q, k, positions, cos, sin)

@@ -9,6 +9,7 @@ typed error: ``ModelLoadError`` (missing, unreadable, inconsistent) or
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,12 +19,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.kernels import cpu_caps
 from pagedserve.parallel.linear import pack_weights
 from pagedserve.parallel.state import ParallelState
 from pagedserve.workers.errors import ModelLoadError, UnsupportedModelError
 from pagedserve.workers.models.arch import ModelArch, read_arch
 from pagedserve.workers.models.registry import model_class, supported_architectures
 from pagedserve.workers.quantize import quantize_model, resolve_quantization
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -83,13 +87,23 @@ def read_eos_token_ids(model_dir: str | Path, cfg: dict[str, Any]) -> tuple[int,
 def resolve_dtype(
     requested: str, checkpoint_dtype: str | None, device: torch.device
 ) -> torch.dtype:
-    """``auto`` keeps the checkpoint dtype, except half precision on CPU becomes float32."""
+    """``auto`` keeps the checkpoint dtype where the device computes it fast: on the CPU a bf16
+    checkpoint stays bf16 only where the CPU has bf16 instructions (elsewhere bf16 matmuls are
+    emulated, slower than float32), and float16 becomes float32. An explicit dtype is honoured
+    everywhere (bf16 on an AVX2 CPU is slow but correct)."""
     if requested != "auto":
         return _DTYPES[requested]
     dtype = _DTYPES.get(str(checkpoint_dtype).removeprefix("torch."), torch.float32)
-    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-        return torch.float32
-    return dtype
+    if device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
+        return dtype
+    if dtype == torch.bfloat16 and cpu_caps.has_native_bf16():
+        log.info("pagedserve: dtype auto -> bfloat16, the checkpoint's (%s)", cpu_caps.describe())
+        return dtype
+    why = ("no bf16 instructions, bf16 would be emulated" if dtype == torch.bfloat16
+           else "no fast float16 kernels on the CPU")
+    log.info("pagedserve: dtype auto -> float32 for a %s checkpoint (%s: %s)",
+             str(dtype).removeprefix("torch."), cpu_caps.describe(), why)
+    return torch.float32
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -11,11 +11,16 @@
 //   reshape_and_cache(key, value [T, Hkv, D], kv_cache [NB, 2, B, Hkv, D], slots [T])
 //                                                       slot < 0: skipped
 //
-// All float32; inputs need unit stride in their last dim (q/k/v arrive as views of the fused
-// qkv projection) and are otherwise read through their strides. The arithmetic follows the
-// torch expressions in pagedserve/workers/layers (float32 throughout), up to summation order.
-// No multiply-add contraction in this file: torch rounds each product of those expressions on
-// its own, and the rotary result then matches it bit for bit.
+// Tensors are float32 or bfloat16 (one dtype per call; rotary's cos/sin tables stay float32, the
+// cache write's source may be float32 into a bf16 cache); inputs need unit stride in their last
+// dim (q/k/v arrive as views of the fused qkv projection) and are otherwise read through their
+// strides. The arithmetic is float32 whatever the storage (bf16 widened as read, rounded once
+// when written, bf16.h) and follows the torch expressions in pagedserve/workers/layers, up to
+// summation order; RMSNorm also rounds where the reference does (the normalised row to the input
+// dtype before the weight multiplies it, as Hugging Face does), so a bf16 norm matches the bf16
+// reference up to the sum of squares. No multiply-add contraction in this file: torch rounds
+// each product of those expressions on its own, and the float32 rotary result then matches it
+// bit for bit.
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
@@ -29,10 +34,16 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
+#include "bf16.h"
 #include "vec_exp.h"
 
 namespace {
+
+using pagedserve::bf16;
+using pagedserve::load;
+using pagedserve::store;
 
 // Rows per parallel task, for rows of `width` floats: a task of fewer than ~32K elements (the
 // grain torch's own pointwise kernels use) costs more in the thread hand-off than it saves, so
@@ -41,81 +52,119 @@ inline int64_t grain_rows(int64_t width) {
   return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, width));
 }
 
-void check_float_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32");
+bool is_compute_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(is_compute_dtype(x), name, " must be float32 or bfloat16");
   TORCH_CHECK(x.stride(-1) == 1, name, " needs unit stride in its last dim");
 }
 
-void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
-  check_float_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2 && weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == at::kFloat,
-              "rms_norm: x [T, H] float32, weight [H] float32");
+void check_same_dtype(const at::Tensor& x, const at::Tensor& y, const char* what) {
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), what, ": tensors must share one dtype, got ",
+              x.scalar_type(), " and ", y.scalar_type());
 }
 
-// One row: orow = w * (xr * rsqrt(mean(xr^2) + eps)).
-inline void norm_row(const float* xr, const float* wp, int64_t h, double eps, float* orow) {
+// Typed element pointers of a float32 or bf16 tensor (at::BFloat16 is one uint16_t, as bf16).
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.data_ptr<float>();
+  } else {
+    return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>());
+  }
+}
+
+// Calls fn(T{}) with T the element type of x: float or bf16.
+template <typename Fn>
+auto dispatch(const at::Tensor& x, Fn&& fn) {
+  if (x.scalar_type() == at::kBFloat16) return fn(bf16{});
+  return fn(float{});
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: x [T, H], weight [H]");
+  check_same_dtype(x, weight, "rms_norm");
+}
+
+// One row: orow = w * T(xr * rsqrt(mean(xr^2) + eps)), the product rounded to T.
+template <typename T>
+inline void norm_row(const T* xr, const T* wp, int64_t h, double eps, T* orow) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < h; ++i) ss += xr[i] * xr[i];
+  for (int64_t i = 0; i < h; ++i) ss += load(xr[i]) * load(xr[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
 #pragma omp simd
-  for (int64_t i = 0; i < h; ++i) orow[i] = wp[i] * (xr[i] * inv);
+  for (int64_t i = 0; i < h; ++i) {
+    orow[i] = store<T>(load(wp[i]) * load(store<T>(load(xr[i]) * inv)));
+  }
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
   const int64_t t = x.size(0), h = x.size(1), xs = x.stride(0);
   at::Tensor out = at::empty({t, h}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, grain_rows(h), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) norm_row(xp + r * xs, wp, h, eps, op + r * h);
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x);
+    const T* wp = ptr<T>(weight);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, t, grain_rows(h), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) norm_row(xp + r * xs, wp, h, eps, op + r * h);
+    });
   });
   return out;
 }
 
 // The residual add of a decoder layer fused into the norm that follows it: one pass adds the
-// sublayer's output into the residual stream (in place, as the reference's out-of-place add
-// would give) and normalises the sum while its row is in cache.
+// sublayer's output into the residual stream (in place, rounded to its dtype as the reference's
+// out-of-place add would be) and normalises the sum while its row is in cache.
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
                          double eps) {
   check_norm_args(residual, weight);
-  check_float_rows(x, "x");
+  check_rows(x, "x");
+  check_same_dtype(residual, x, "add_rms_norm_");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == residual.size(0) && x.size(1) == residual.size(1),
               "add_rms_norm_: x and residual must both be [T, H]");
   const int64_t t = x.size(0), h = x.size(1), rs = residual.stride(0), xs = x.stride(0);
   at::Tensor out = at::empty({t, h}, x.options());
-  float* rp = residual.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, grain_rows(h), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      float* rr = rp + r * rs;
-      const float* xr = xp + r * xs;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    T* rp = ptr<T>(residual);
+    const T* xp = ptr<T>(x);
+    const T* wp = ptr<T>(weight);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, t, grain_rows(h), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        T* rr = rp + r * rs;
+        const T* xr = xp + r * xs;
 #pragma omp simd
-      for (int64_t i = 0; i < h; ++i) rr[i] += xr[i];
-      norm_row(rr, wp, h, eps, op + r * h);
-    }
+        for (int64_t i = 0; i < h; ++i) rr[i] = store<T>(load(rr[i]) + load(xr[i]));
+        norm_row(rr, wp, h, eps, op + r * h);
+      }
+    });
   });
   return out;
 }
 
-// One [heads, D] row of a token: out = (x1 * c - x2 * s, x2 * c + x1 * s).
-inline void rotate_row(const float* x, int64_t heads, int64_t head_stride, int64_t d,
-                       const float* c, const float* s, float* out) {
+// One [heads, D] row of a token: out = (x1 * c - x2 * s, x2 * c + x1 * s), float32 math.
+template <typename T>
+inline void rotate_row(const T* x, int64_t heads, int64_t head_stride, int64_t d,
+                       const float* c, const float* s, T* out) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
-    const float* x1 = x + h * head_stride;
-    const float* x2 = x1 + half;
-    float* o1 = out + h * d;
-    float* o2 = o1 + half;
+    const T* x1 = x + h * head_stride;
+    const T* x2 = x1 + half;
+    T* o1 = out + h * d;
+    T* o2 = o1 + half;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-      o1[i] = x1[i] * c[i] - x2[i] * s[i];
-      o2[i] = x2[i] * c[i] + x1[i] * s[i];
+      const float a = load(x1[i]), b = load(x2[i]);
+      o1[i] = store<T>(a * c[i] - b * s[i]);
+      o2[i] = store<T>(b * c[i] + a * s[i]);
     }
   }
 }
@@ -123,8 +172,9 @@ inline void rotate_row(const float* x, int64_t heads, int64_t head_stride, int64
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& positions, const at::Tensor& cos,
                                           const at::Tensor& sin) {
-  check_float_rows(q, "q");
-  check_float_rows(k, "k");
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_same_dtype(q, k, "rotary");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
               "rotary: q [T, Hq, D], k [T, Hkv, D]");
   const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
@@ -143,43 +193,63 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
     TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "rotary: position ", pos[i],
                 " outside the table of ", max_pos);
   }
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* qop = qo.data_ptr<float>();
-  float* kop = ko.data_ptr<float>();
-  at::parallel_for(0, t, grain_rows((hq + hk) * d), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const float* c = cp + pos[i] * (d / 2);
-      const float* s = sp + pos[i] * (d / 2);
-      rotate_row(qp + i * q.stride(0), hq, q.stride(1), d, c, s, qop + i * hq * d);
-      rotate_row(kp + i * k.stride(0), hk, k.stride(1), d, c, s, kop + i * hk * d);
-    }
+  dispatch(q, [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = ptr<T>(q);
+    const T* kp = ptr<T>(k);
+    T* qop = ptr<T>(qo);
+    T* kop = ptr<T>(ko);
+    at::parallel_for(0, t, grain_rows((hq + hk) * d), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const float* c = cp + pos[i] * (d / 2);
+        const float* s = sp + pos[i] * (d / 2);
+        rotate_row(qp + i * q.stride(0), hq, q.stride(1), d, c, s, qop + i * hq * d);
+        rotate_row(kp + i * k.stride(0), hk, k.stride(1), d, c, s, kop + i * hk * d);
+      }
+    });
   });
   return {qo, ko};
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_float_rows(x, "x");
+  check_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x [T, 2I]");
   const int64_t t = x.size(0), n = x.size(1) / 2, xs = x.stride(0);
   at::Tensor out = at::empty({t, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, grain_rows(3 * n), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const float* g = xp + r * xs;
-      const float* u = g + n;
-      float* o = op + r * n;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, t, grain_rows(3 * n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const T* g = xp + r * xs;
+        const T* u = g + n;
+        T* o = op + r * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + vec_exp(-g[i])) * u[i];
-    }
+        for (int64_t i = 0; i < n; ++i) {
+          const float gi = load(g[i]);
+          o[i] = store<T>(gi / (1.f + vec_exp(-gi)) * load(u[i]));
+        }
+      }
+    });
   });
   return out;
 }
 
-template <typename Slot>
+// Copies one head row of d elements, converting when the cache's type differs from the source.
+template <typename S, typename C>
+inline void copy_row(C* __restrict dst, const S* __restrict src, int64_t d) {
+  if constexpr (std::is_same_v<S, C>) {
+    std::memcpy(dst, src, d * sizeof(C));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] = store<C>(load(src[i]));
+  }
+}
+
+template <typename S, typename C, typename Slot>
 void write_slots(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                  const Slot* sp) {
   const int64_t t = key.size(0), hk = kv_cache.size(3), d = kv_cache.size(4);
@@ -187,43 +257,56 @@ void write_slots(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_
   for (int64_t i = 0; i < t; ++i) {
     TORCH_CHECK(sp[i] < limit, "slot ", sp[i], " outside a cache of ", limit, " slots");
   }
-  const float* kp = key.data_ptr<float>();
-  const float* vp = value.data_ptr<float>();
-  float* cache = kv_cache.data_ptr<float>();
+  const S* kp = ptr<S>(key);
+  const S* vp = ptr<S>(value);
+  C* cache = ptr<C>(kv_cache);
   const int64_t row = hk * d;
   at::parallel_for(0, t, grain_rows(4 * row), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t slot = sp[i];
       if (slot < 0) continue;  // another rank's token under context parallelism
-      float* kd = cache + ((slot / bs) * 2 * bs + slot % bs) * row;
-      float* vd = kd + bs * row;
+      C* kd = cache + ((slot / bs) * 2 * bs + slot % bs) * row;
+      C* vd = kd + bs * row;
       for (int64_t h = 0; h < hk; ++h) {
-        std::memcpy(kd + h * d, kp + i * key.stride(0) + h * key.stride(1), d * sizeof(float));
-        std::memcpy(vd + h * d, vp + i * value.stride(0) + h * value.stride(1),
-                    d * sizeof(float));
+        copy_row(kd + h * d, kp + i * key.stride(0) + h * key.stride(1), d);
+        copy_row(vd + h * d, vp + i * value.stride(0) + h * value.stride(1), d);
       }
     }
   });
 }
 
+template <typename S, typename C>
+void write_typed(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                 const at::Tensor& slots) {
+  if (slots.scalar_type() == at::kLong) {
+    write_slots<S, C>(key, value, kv_cache, slots.data_ptr<int64_t>());
+  } else {
+    TORCH_CHECK(slots.scalar_type() == at::kInt, "slots must be int32 or int64");
+    write_slots<S, C>(key, value, kv_cache, slots.data_ptr<int32_t>());
+  }
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                        const at::Tensor& slots) {
-  check_float_rows(key, "key");
-  check_float_rows(value, "value");
+  check_rows(key, "key");
+  check_rows(value, "value");
+  check_same_dtype(key, value, "reshape_and_cache");
   TORCH_CHECK(key.is_cpu() && value.is_cpu() && kv_cache.is_cpu() && slots.is_cpu(),
               "reshape_and_cache (CPU kernel): every tensor must be on the CPU");
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() &&
+  const auto st = key.scalar_type(), ct = kv_cache.scalar_type();
+  TORCH_CHECK((ct == st || ct == at::kBFloat16) && kv_cache.is_contiguous() &&
                   kv_cache.dim() == 5 && kv_cache.size(1) == 2,
-              "kv_cache [NB, 2, B, Hkv, D] float32 contiguous");
+              "kv_cache [NB, 2, B, Hkv, D] contiguous, of the keys' dtype or bfloat16");
   TORCH_CHECK(key.dim() == 3 && key.size(1) == kv_cache.size(3) &&
                   key.size(2) == kv_cache.size(4) && value.sizes() == key.sizes() &&
                   slots.dim() == 1 && slots.numel() == key.size(0) && slots.is_contiguous(),
               "key, value [T, Hkv, D] matching the cache; slots [T]");
-  if (slots.scalar_type() == at::kLong) {
-    write_slots(key, value, kv_cache, slots.data_ptr<int64_t>());
+  if (st == at::kFloat && ct == at::kFloat) {
+    write_typed<float, float>(key, value, kv_cache, slots);
+  } else if (st == at::kFloat) {
+    write_typed<float, bf16>(key, value, kv_cache, slots);
   } else {
-    TORCH_CHECK(slots.scalar_type() == at::kInt, "slots must be int32 or int64");
-    write_slots(key, value, kv_cache, slots.data_ptr<int32_t>());
+    write_typed<bf16, bf16>(key, value, kv_cache, slots);
   }
 }
 

@@ -7,7 +7,10 @@
 //
 // Semantics are those of paged_attention_ref without context parallelism: query i of a
 // sequence of L tokens, q_len of them new, sits at position L - q_len + i and sees the keys at
-// positions p <= pos (and p > pos - window when window >= 1; -1: no window). Math is float32.
+// positions p <= pos (and p > pos - window when window >= 1; -1: no window). Math is float32
+// whatever the storage: q, out and the cache are float32 or bfloat16 (q and out alike; the cache
+// bf16 under a float32 q too), every bf16 element widened in registers as it is read (bf16.h),
+// the scores, the running softmax and the accumulators float32, the output rounded once.
 //
 // Layouts: q and out [T, H_q, D] with unit stride in D; kv_cache [num_blocks, 2, B, H_kv, D]
 // contiguous; block_table [S, max_blocks] int32 contiguous; lse [T, H_q] float32 or empty.
@@ -22,11 +25,17 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "bf16.h"
 #include "vec_exp.h"
 
 namespace {
+
+using pagedserve::bf16;
+using pagedserve::load;
+using pagedserve::store;
 
 // New tokens of one sequence handled by one work item; bounds the per-item accumulators at
 // kQueryTile * G rows of D floats.
@@ -37,35 +46,38 @@ struct Item {
   int64_t seq, kv_head, q_begin, q_end, cost;
 };
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+template <typename KV>
+inline float dot(const float* __restrict a, const KV* __restrict b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * load(b[i]);
   return s;
 }
 
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+template <typename KV>
+inline void axpy(float* __restrict y, float a, const KV* __restrict x, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += a * load(x[i]);
 }
 
 // acc[0, d) += sum_j p[j] * v_j over nv value rows. With d known at compile time the row of
 // accumulators stays in registers across the keys instead of being loaded and stored per key.
-template <int64_t D>
-inline void pv_fixed(float* __restrict acc, const float* __restrict p, const float* v,
+template <int64_t D, typename KV>
+inline void pv_fixed(float* __restrict acc, const float* __restrict p, const KV* v,
                      int64_t stride, int64_t nv) {
   float reg[D];
   for (int64_t i = 0; i < D; ++i) reg[i] = acc[i];
   for (int64_t j = 0; j < nv; ++j) {
     const float pj = p[j];
-    const float* vj = v + j * stride;
+    const KV* vj = v + j * stride;
 #pragma omp simd
-    for (int64_t i = 0; i < D; ++i) reg[i] += pj * vj[i];
+    for (int64_t i = 0; i < D; ++i) reg[i] += pj * load(vj[i]);
   }
   for (int64_t i = 0; i < D; ++i) acc[i] = reg[i];
 }
 
-inline void pv(float* acc, const float* p, const float* v, int64_t stride, int64_t nv,
+template <typename KV>
+inline void pv(float* acc, const float* p, const KV* v, int64_t stride, int64_t nv,
                int64_t d) {
   switch (d) {
     case 64: return pv_fixed<64>(acc, p, v, stride, nv);
@@ -81,12 +93,8 @@ inline void scale_row(float* __restrict y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
 }
 
-struct Args {
-  const float* q;
-  int64_t q_st, q_sh;  // token and head strides of q
-  const float* kv;
-  float* out;
-  int64_t o_st, o_sh;
+// What the kernel reads besides q, out and the cache.
+struct Meta {
   float* lse;  // nullptr: not asked for
   const int32_t* cu;
   const int32_t* lens;
@@ -95,9 +103,41 @@ struct Args {
   float scale;
 };
 
+// Q: the element type of q and out; KV: the cache's.
+template <typename Q, typename KV>
+struct Args : Meta {
+  const Q* q;
+  int64_t q_st, q_sh;  // token and head strides of q
+  const KV* kv;
+  Q* out;
+  int64_t o_st, o_sh;
+};
+
+template <typename Q, typename KV>
+Args<Q, KV> make_args(const Q* q, const KV* kv, Q* out, const at::Tensor& qt,
+                      const at::Tensor& ot, const Meta& meta) {
+  return Args<Q, KV>{meta, q, qt.stride(0), qt.stride(1), kv, out, ot.stride(0), ot.stride(1)};
+}
+
+struct Scratch {
+  std::vector<float> acc, m, l, s, kt, qf;
+};
+
+// Row r of the tile's queries as float32: float32 q is read in place (the float32 kernel stays
+// as it was), a bf16 one was widened once per work item into `qf`.
+template <typename Q, typename KV>
+inline const float* query_row(const Args<Q, KV>& a, const Q* q, const Scratch& scr, int64_t r) {
+  if constexpr (std::is_same_v<Q, float>) {
+    return q;
+  } else {
+    return scr.qf.data() + r * a.dim;
+  }
+}
+
 // One (sequence, kv head, query tile): the tile's G * nq query rows over the visible keys.
-void attend(const Args& a, const Item& it, std::vector<float>& acc, std::vector<float>& m,
-            std::vector<float>& l, std::vector<float>& s, std::vector<float>& kt) {
+template <typename Q, typename KV>
+void attend(const Args<Q, KV>& a, const Item& it, Scratch& scr) {
+  std::vector<float>&acc = scr.acc, &m = scr.m, &l = scr.l, &s = scr.s, &kt = scr.kt;
   const int64_t d = a.dim, g_n = a.group, bs = a.block;
   const int64_t nq = it.q_end - it.q_begin, rows = nq * g_n;
   const int64_t tok0 = a.cu[it.seq], q_len = a.cu[it.seq + 1] - tok0;
@@ -107,13 +147,24 @@ void attend(const Args& a, const Item& it, std::vector<float>& acc, std::vector<
   m.assign(rows, kNegInf);
   l.assign(rows, 0.f);
   s.resize(bs);
+  if constexpr (!std::is_same_v<Q, float>) {  // widen the tile's query rows once
+    scr.qf.resize(rows * d);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      for (int64_t g = 0; g < g_n; ++g) {
+        const Q* src = a.q + (tok0 + it.q_begin + qi) * a.q_st + (it.kv_head * g_n + g) * a.q_sh;
+        float* dst = scr.qf.data() + (qi * g_n + g) * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) dst[i] = load(src[i]);
+      }
+    }
+  }
   const int64_t hi = ctx + it.q_end;  // keys [lo, hi) cover the tile
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx + it.q_begin - a.window + 1) : 0;
   const int32_t* blocks = a.table + it.seq * a.max_blocks;
   for (int64_t b = lo / bs; b * bs < hi; ++b) {
-    const float* kb = a.kv + (static_cast<int64_t>(blocks[b]) * 2 * bs) * row_stride +
-                      it.kv_head * d;
-    const float* vb = kb + bs * row_stride;
+    const KV* kb = a.kv + (static_cast<int64_t>(blocks[b]) * 2 * bs) * row_stride +
+                   it.kv_head * d;
+    const KV* vb = kb + bs * row_stride;
     const int64_t j0 = std::max(lo, b * bs), j1 = std::min(hi, b * bs + bs), nj = j1 - j0;
     // Many rows against this block (a prefill tile): transpose its keys to [D, nj] once, so
     // each row's scores are D broadcast multiply-adds over nj lanes instead of nj dot products
@@ -122,8 +173,8 @@ void attend(const Args& a, const Item& it, std::vector<float>& acc, std::vector<
     if (transposed) {
       kt.resize(d * bs);
       for (int64_t j = 0; j < nj; ++j) {
-        const float* kr = kb + (j0 + j - b * bs) * row_stride;
-        for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = kr[i];
+        const KV* kr = kb + (j0 + j - b * bs) * row_stride;
+        for (int64_t i = 0; i < d; ++i) kt[i * bs + j] = load(kr[i]);
       }
     }
     for (int64_t qi = 0; qi < nq; ++qi) {
@@ -134,7 +185,8 @@ void attend(const Args& a, const Item& it, std::vector<float>& acc, std::vector<
       const int64_t tok = tok0 + it.q_begin + qi;
       for (int64_t g = 0; g < g_n; ++g) {
         const int64_t r = qi * g_n + g;
-        const float* qr = a.q + tok * a.q_st + (it.kv_head * g_n + g) * a.q_sh;
+        const float* qr =
+            query_row(a, a.q + tok * a.q_st + (it.kv_head * g_n + g) * a.q_sh, scr, r);
         float* sc = s.data();  // scores of keys [ja, jb) at sc[j - j0]
         if (transposed) {
           std::fill(sc, sc + nj, 0.f);
@@ -176,16 +228,59 @@ void attend(const Args& a, const Item& it, std::vector<float>& acc, std::vector<
     const int64_t tok = tok0 + it.q_begin + qi;
     for (int64_t g = 0; g < g_n; ++g) {
       const int64_t r = qi * g_n + g, head = it.kv_head * g_n + g;
-      float* o = a.out + tok * a.o_st + head * a.o_sh;
+      Q* o = a.out + tok * a.o_st + head * a.o_sh;
       const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
       const float* ar = acc.data() + r * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] = ar[i] * inv;
+      for (int64_t i = 0; i < d; ++i) o[i] = store<Q>(ar[i] * inv);
       if (a.lse != nullptr) {
         a.lse[tok * (a.hkv * g_n) + head] = l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
       }
     }
   }
+}
+
+template <typename Q, typename KV>
+int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_t num_seqs,
+            int64_t max_q_len) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = a.cu[s + 1] - a.cu[s];
+    if (q_len == 0 || (max_q_len >= 0 && q_len > max_q_len)) continue;
+    if (a.cu[s] < 0 || a.cu[s + 1] > num_tokens) return s;
+    const int64_t len = a.lens[s];
+    if (q_len < 0 || q_len > len || len > a.max_blocks * a.block) return s;
+    const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - q_len - a.window + 1) : 0;
+    for (int64_t b = first / a.block; b * a.block < len; ++b) {
+      const int32_t id = a.table[s * a.max_blocks + b];
+      if (id < 0 || id >= num_blocks) return s;
+    }
+    for (int64_t q0 = 0; q0 < q_len; q0 += kQueryTile) {
+      const int64_t q1 = std::min(q_len, q0 + kQueryTile);
+      const int64_t keys = a.lens[s] - q_len + q1;
+      const int64_t cost = (q1 - q0) * (a.window > 0 ? std::min(keys, a.window + q1 - q0) : keys);
+      for (int64_t h = 0; h < a.hkv; ++h) items.push_back({s, h, q0, q1, cost});
+    }
+  }
+  // Longest first, handed out one at a time: the threads finish together whatever the mix.
+  std::sort(items.begin(), items.end(),
+            [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  auto worker = [&](int64_t, int64_t) {
+    Scratch scratch;  // per thread, reused across items
+    for (int64_t i = next++; i < n; i = next++) attend(a, items[i], scratch);
+  };
+  int64_t work = 0;  // multiply-adds, roughly
+  for (const Item& it : items) work += it.cost * a.group * a.dim * 2;
+  // Below ~64K multiply-adds (a single short decode) waking the other threads costs more.
+  const int64_t threads = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, threads, 1, worker);
+  }
+  return -1;
 }
 
 // Sequences with more than max_q_len new tokens (>= 0) are left alone: the caller attends
@@ -197,9 +292,11 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
                      const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                      const at::Tensor& block_table, double scale, int64_t window,
                      at::Tensor& lse, int64_t max_q_len) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat,
-              "paged_attention (CPU kernel): q, kv_cache and out must be float32");
+  const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
+  TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && out.scalar_type() == qt &&
+                  (ct == qt || ct == at::kBFloat16),
+              "paged_attention (CPU kernel): q and out float32 or bfloat16 alike, kv_cache "
+              "the same or bfloat16");
   TORCH_CHECK(q.is_cpu() && kv_cache.is_cpu() && out.is_cpu() && cu_seqlens_q.is_cpu() &&
                   seq_lens.is_cpu() && block_table.is_cpu() && (!lse.defined() || lse.is_cpu()),
               "paged_attention (CPU kernel): every tensor must be on the CPU");
@@ -224,51 +321,25 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
   TORCH_CHECK(!want_lse || (lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
                             lse.size(1) == hq),
               "lse must be [T, H_q] float32 contiguous");
-  Args a{q.data_ptr<float>(), q.stride(0), q.stride(1), kv_cache.data_ptr<float>(),
-         out.data_ptr<float>(), out.stride(0), out.stride(1),
-         want_lse ? lse.data_ptr<float>() : nullptr, cu_seqlens_q.data_ptr<int32_t>(),
-         seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(), block_table.size(1),
-         kv_cache.size(2), hkv, hq / hkv, q.size(2), window, static_cast<float>(scale)};
-
-  const int64_t num_blocks = kv_cache.size(0);
-  std::vector<Item> items;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t q_len = a.cu[s + 1] - a.cu[s];
-    if (q_len == 0 || (max_q_len >= 0 && q_len > max_q_len)) continue;
-    if (a.cu[s] < 0 || a.cu[s + 1] > q.size(0)) return s;
-    const int64_t len = a.lens[s];
-    if (q_len < 0 || q_len > len || len > a.max_blocks * a.block) return s;
-    const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - q_len - a.window + 1) : 0;
-    for (int64_t b = first / a.block; b * a.block < len; ++b) {
-      const int32_t id = a.table[s * a.max_blocks + b];
-      if (id < 0 || id >= num_blocks) return s;
-    }
-    for (int64_t q0 = 0; q0 < q_len; q0 += kQueryTile) {
-      const int64_t q1 = std::min(q_len, q0 + kQueryTile);
-      const int64_t keys = a.lens[s] - q_len + q1;
-      const int64_t cost = (q1 - q0) * (a.window > 0 ? std::min(keys, a.window + q1 - q0) : keys);
-      for (int64_t h = 0; h < hkv; ++h) items.push_back({s, h, q0, q1, cost});
-    }
+  const Meta meta{want_lse ? lse.data_ptr<float>() : nullptr, cu_seqlens_q.data_ptr<int32_t>(),
+                  seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
+                  block_table.size(1), kv_cache.size(2), hkv, hq / hkv, q.size(2), window,
+                  static_cast<float>(scale)};
+  // at::BFloat16 is one uint16_t, as pagedserve::bf16.
+  auto bf = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
+  if (qt == at::kFloat && ct == at::kFloat) {
+    return run(make_args(q.data_ptr<float>(), kv_cache.data_ptr<float>(),
+                         out.data_ptr<float>(), q, out, meta),
+               q.size(0), kv_cache.size(0), num_seqs, max_q_len);
   }
-  // Longest first, handed out one at a time: the threads finish together whatever the mix.
-  std::sort(items.begin(), items.end(),
-            [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(items.size());
-  auto worker = [&](int64_t, int64_t) {
-    std::vector<float> acc, m, l, s, kt;  // per-thread scratch, reused across items
-    for (int64_t i = next++; i < n; i = next++) attend(a, items[i], acc, m, l, s, kt);
-  };
-  int64_t work = 0;  // multiply-adds, roughly
-  for (const Item& it : items) work += it.cost * a.group * a.dim * 2;
-  // Below ~64K multiply-adds (a single short decode) waking the other threads costs more.
-  const int64_t threads = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), n);
-  if (threads <= 1) {
-    worker(0, 1);
-  } else {
-    at::parallel_for(0, threads, 1, worker);
+  if (qt == at::kFloat) {
+    return run(make_args(q.data_ptr<float>(), static_cast<const bf16*>(bf(kv_cache)),
+                         out.data_ptr<float>(), q, out, meta),
+               q.size(0), kv_cache.size(0), num_seqs, max_q_len);
   }
-  return -1;
+  return run(make_args(static_cast<const bf16*>(bf(q)), static_cast<const bf16*>(bf(kv_cache)),
+                       bf(out), q, out, meta),
+             q.size(0), kv_cache.size(0), num_seqs, max_q_len);
 }
 
 }  // namespace

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.linear import PACK_MIN_ELEMENTS, linear, linear_ref, pack_weight
+from pagedserve.kernels.cpu_caps import has_native_bf16
+from pagedserve.kernels.linear import PACK_MIN_ELEMENTS, linear, linear_ref, pack_weight, packs
 from pagedserve.parallel.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -53,9 +54,12 @@ def test_packed_linear_takes_views_and_more_dims() -> None:
     assert _rel(got, linear_ref(x3.double(), w.double(), None)) <= 1e-6
 
 
-def test_only_cpu_float32_is_packed() -> None:
+def test_only_cpu_float32_and_native_bf16_are_packed() -> None:
     assert pack_weight(torch.ones(4, 4, dtype=torch.float64)) is None
-    assert pack_weight(torch.ones(4, 4, dtype=torch.bfloat16)) is None
+    assert pack_weight(torch.ones(4, 4, dtype=torch.float16)) is None
+    # bf16 only where the CPU has bf16 instructions; elsewhere F.linear keeps the plain weight.
+    packed_bf16 = pack_weight(torch.ones(4, 4, dtype=torch.bfloat16))
+    assert (packed_bf16 is not None) == has_native_bf16() == packs(torch.bfloat16)
     # No packed weight: the plain one serves, as F.linear would.
     w = torch.randn(6, 4, dtype=torch.float64)
     x = torch.randn(3, 4, dtype=torch.float64)
@@ -91,3 +95,20 @@ def test_packing_a_model_replaces_weights_and_keeps_outputs() -> None:
     for got, want in zip(run(), before, strict=True):
         assert got.shape == want.shape
         assert _rel(got, want) <= 1e-5
+
+
+@pytest.mark.skipif(not packs(torch.bfloat16), reason="no bf16 instructions: bf16 keeps F.linear")
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_bf16_linear_matches_float64(rows) -> None:
+    """On a CPU with AVX512-BF16 / AMX: the packed bf16 matmul sums the bf16 products in float32
+    and rounds once, so it is within a bf16 rounding (2^-8 relative) of float64 on the same
+    bf16 inputs, and within that of F.linear's own bf16 result."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(130, 96, generator=g).bfloat16()
+    b = torch.randn(130, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    got = linear(x, None, pack_weight(w), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 130)
+    want = linear_ref(x.double(), w.double(), b.double())
+    assert _rel(got, want) <= 2**-7
+    assert _rel(got, linear_ref(x, w, b)) <= 2**-7

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 
+from pagedserve.kernels import cpu_caps
 from pagedserve.parallel.state import ParallelState
 from pagedserve.workers.errors import ModelLoadError, UnsupportedModelError
 from pagedserve.workers.loader import load_model, resolve_dtype
@@ -62,10 +64,23 @@ def test_unsupported_rope_type_is_typed(checkpoint_dir, tmp_path):
         load_model(tmp_path, "auto", CPU, ParallelState())
 
 
-def test_dtype_resolution():
+def test_dtype_resolution(monkeypatch, caplog):
     cuda = torch.device("cuda")
-    assert resolve_dtype("auto", "bfloat16", CPU) == torch.float32
-    assert resolve_dtype("auto", "float16", CPU) == torch.float32
+    caplog.set_level(logging.INFO, logger="pagedserve.workers.loader")
+    # auto on the CPU: bf16 stays bf16 exactly where the CPU has bf16 instructions.
+    for native, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(cpu_caps, "native_bf16_flags", lambda n=native: ("amx_bf16",) * n)
+        caplog.clear()
+        assert resolve_dtype("auto", "bfloat16", CPU) == want
+        (line,) = caplog.messages
+        assert f"-> {str(want).removeprefix('torch.')}" in line
+        assert ("amx_bf16" in line) == native and ("emulated" in line) != native
+        assert resolve_dtype("bfloat16", "float32", CPU) == torch.bfloat16  # explicit wins
+        assert resolve_dtype("auto", "float16", CPU) == torch.float32
+    assert resolve_dtype("auto", "torch.bfloat16", CPU) == torch.bfloat16
+    monkeypatch.undo()
+    real = torch.bfloat16 if cpu_caps.has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", "bfloat16", CPU) == real  # this machine's own answer
     assert resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
     assert resolve_dtype("auto", None, cuda) == torch.float32
     assert resolve_dtype("bfloat16", "float32", CPU) == torch.bfloat16  # explicit wins
