@@ -22,9 +22,11 @@ from pagedserve.parallel.state import ParallelState
 from pagedserve.workers.errors import ModelLoadError
 from pagedserve.workers.loader import load_model
 
-# Measured on these checkpoints (init_std 0.2, so the logits are peaked): int8 weights and
-# bfloat16 activations move a greedy token's log-probability by at most ~0.05.
-LOGPROB_TOL = 0.15
+# Measured on this AVX2 machine (init_std 0.2, so the logits are peaked), over 2 x 16 greedy
+# tokens: int8 moves a token's log-probability by 0.13 at most (0.038 on average), the GGUF
+# file's blocks by 0.066 (0.022); the bounds leave room for other CPUs' summation orders.
+LOGPROB_TOL = 0.3
+LOGPROB_MEAN_TOL = 0.08
 PROMPTS = [[1, 5, 9, 200, 33, 17], [1, 7, 7, 7, 300, 12, 40, 41]]
 STEPS = 16
 CPU = torch.device("cpu")
@@ -60,10 +62,14 @@ def test_int8_logprobs_stay_near_float32(ckpt: Path) -> None:
     lens = [len(p) for p in PROMPTS]
     ref = _teacher_forced(ckpt, seqs, lens, quantization="none")
     got = _teacher_forced(ckpt, seqs, lens, quantization="int8")
-    worst = max(abs(a - b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g,
-                                                                                     strict=True))
-    assert worst <= LOGPROB_TOL
-    assert worst > 0.0  # the int8 path really ran: some logprob moved
+    _check_close(ref, got)
+
+
+def _check_close(ref: list[list[float]], got: list[list[float]]) -> None:
+    d = [abs(a - b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True)]
+    assert len(d) == STEPS * len(PROMPTS)
+    assert max(d) <= LOGPROB_TOL and sum(d) / len(d) <= LOGPROB_MEAN_TOL
+    assert max(d) > 0.0  # the quantized path really ran: some logprob moved
 
 
 def test_int8_replaces_the_decoder_linears_only(ckpt: Path) -> None:
@@ -145,14 +151,33 @@ def test_gguf_layers_serve_their_blocks(converted: Path) -> None:
     assert torch.equal(got.model.embed_tokens.weight, ref.model.embed_tokens.weight)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gguf_blocks_slice_like_the_weights_under_tensor_parallelism(converted: Path,
+                                                                     rank: int) -> None:
+    # Loading needs no process group; the rank's matmul is checked without the all-reduce.
+    from pagedserve.kernels.quant_linear import quantized_linear
+
+    state = ParallelState(rank, 2)
+    ref, _, _ = load_model(converted, "float32", CPU, state, quantization="none")
+    got, _, _ = load_model(converted, "float32", CPU, state)
+    g = torch.Generator().manual_seed(rank)
+    lr, lg = ref.model.layers[1], got.model.layers[1]
+    for a, b, kind in ((lr.self_attn.qkv_proj, lg.self_attn.qkv_proj, Int4Weight),
+                       (lr.self_attn.o_proj, lg.self_attn.o_proj, Int4Weight),
+                       (lr.mlp.gate_up_proj, lg.mlp.gate_up_proj, Int8Weight)):
+        assert isinstance(b.quant, kind)
+        x = torch.randn(3, a.weight.shape[1], generator=g)
+        want = torch.nn.functional.linear(x.double(), a.weight.double())  # the rank's slice
+        err = (quantized_linear(x, b.quant).double() - want).abs().max() / want.abs().max()
+        assert err <= GGUF_REL
+
+
 def test_gguf_serves_through_llm_and_none_keeps_the_float_path(converted: Path) -> None:
     seqs = _greedy_sequences(converted)
     lens = [len(p) for p in PROMPTS]
     ref = _teacher_forced(converted, seqs, lens, quantization="none")
     got = _teacher_forced(converted, seqs, lens)  # the default: the blocks
-    worst = max(abs(a - b) for r, g in zip(ref, got, strict=True) for a, b in zip(r, g,
-                                                                                     strict=True))
-    assert 0.0 < worst <= LOGPROB_TOL
+    _check_close(ref, got)
 
 
 def test_serve_flag_reaches_the_config() -> None:
