@@ -5,15 +5,17 @@ each op of a decoder layer that has its own CPU path (the compiled kernels; the 
 fused into the norm after it, against the add as its own op; the linear layers' packed oneDNN
 matmul against ``F.linear``): a decode step of 64 sequences (context 50-400 tokens), the same
 for 8 sequences (the end of a batch, when few requests are left) and a prefill of 8 sequences
-of 200 tokens, float32, block size 16. The two implementations alternate call by call so that
-drift hits both; each figure is the median of
-``--reps`` timed calls after a warm-up. Paged attention's torch path is given its plan built
+of 200 tokens, float32 (or ``--dtype bfloat16``: activations, weights and the cache in bf16, the
+rotary tables float32 as the model keeps them), block size 16. The two implementations
+alternate call by call so that drift hits both; each figure is the median of ``--reps`` timed
+calls after a warm-up. Paged attention's torch path is given its plan built
 once (as the engine does per step), so the comparison is the per-layer cost; "as the engine
 calls it" is the dispatcher with the step's plan cache, which leaves sequences with more than 16
 new tokens to the torch path.
 
     python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --out docs/results/cpu_kernels.md
+    python benchmarks/cpu_kernels.py --dtype bfloat16 --models llama-22m --reps 10
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def _paged_batch(lens: list[int], q_lens: list[int], hq: int, hkv: int, d: int, 
     return q, cache, cu, torch.tensor(lens, dtype=torch.int32), table
 
 
-def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
-    """op -> (compiled, torch) zero-argument calls on one layer's inputs."""
+def cases(
+    name: str, step: str, dtype: torch.dtype = torch.float32
+) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """op -> (compiled, torch) zero-argument calls on one layer's inputs in ``dtype``."""
     hidden, hq, hkv, d, inter, vocab = SHAPES[name]
     g = torch.Generator().manual_seed(0)
     if step.startswith("decode"):
@@ -76,24 +80,25 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
         lens, q_lens = [200] * 8, [200] * 8
     t = sum(q_lens)
     q, cache, cu, seq_lens, table = _paged_batch(lens, q_lens, hq, hkv, d, g)
+    q, cache = q.to(dtype), cache.to(dtype)
     out = torch.empty_like(q)
     scale = 1 / math.sqrt(d)
     plan = plan_paged_attention(cu, seq_lens, table, block_size=BLOCK, num_kv_heads=hkv,
                                 num_q_heads=hq, head_dim=d)
-    x = torch.randn(t, hidden, generator=g)
-    w = torch.randn(hidden, generator=g)
-    residual = torch.randn(t, hidden, generator=g)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)
+    residual = torch.randn(t, hidden, generator=g).to(dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
     qv = qkv[:, : hq * d].view(t, hq, d)
     kv = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
     vv = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
     pos = torch.cat([torch.arange(n - k, n) for n, k in zip(lens, q_lens, strict=True)])
     ang = torch.randn(2048, d // 2, generator=g)
     cos, sin = ang.cos(), ang.sin()
-    gate_up = torch.randn(t, 2 * inter, generator=g)
+    gate_up = torch.randn(t, 2 * inter, generator=g).to(dtype)
     slots = torch.randperm(cache.shape[0] * BLOCK, generator=g)[:t]
     plans: dict = {}  # the engine's per-step plan cache, shared by the layers
-    attn_out = torch.randn(t, hq * d, generator=g)
+    attn_out = torch.randn(t, hq * d, generator=g).to(dtype)
     linears = {  # op -> (input rows, weight [out, in]); the lm head sees one row per sequence
         "linear: qkv": (x, torch.randn((hq + 2 * hkv) * d, hidden, generator=g)),
         "linear: o": (attn_out, torch.randn(hidden, hq * d, generator=g)),
@@ -102,7 +107,7 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
         "linear: lm head": (x[: len(lens)].contiguous(), torch.randn(vocab, hidden, generator=g)),
     }
     return {
-        **{op: _linear_pair(rows, weight) for op, (rows, weight) in linears.items()},
+        **{op: _linear_pair(rows, weight.to(dtype)) for op, (rows, weight) in linears.items()},
         "paged attention (kernel)": (
             lambda: cpu_paged_attention(q, cache, out, cu, seq_lens, table, scale, None, False),
             lambda: paged_attention_ref(q, cache, out, cu, seq_lens, table, scale, plan=plan)),
@@ -123,8 +128,11 @@ def cases(name: str, step: str) -> dict[str, tuple[Callable[[], object], Callabl
 
 
 def _linear_pair(rows: torch.Tensor, weight: torch.Tensor):
-    packed = pack_weight(weight)  # packed whatever its size, to show where packing pays
-    return (lambda: linear(rows, None, packed), lambda: linear_ref(rows, weight, None))
+    # Packed whatever its size, to show where packing pays; where the dtype is not packed here
+    # (bf16 without bf16 instructions) both sides are F.linear.
+    packed = pack_weight(weight)
+    return (lambda: linear(rows, weight if packed is None else None, packed),
+            lambda: linear_ref(rows, weight, None))
 
 
 def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
@@ -144,17 +152,19 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--models", default=",".join(SHAPES))
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     if cpu_ops() is None:
         raise SystemExit("the compiled CPU kernels did not build (see the warning above)")
-    lines = [f"float32, {torch.get_num_threads()} torch threads, block size {BLOCK}, median of "
-             f"{args.reps} calls each, alternating", "",
+    lines = [f"{args.dtype}, {torch.get_num_threads()} torch threads, block size {BLOCK}, "
+             f"median of {args.reps} calls each, alternating", "",
              "| shape | step | op | pagedserve (us) | torch (us) | torch / pagedserve |",
              "|---|---|---|---|---|---|"]
     for name in args.models.split(","):
         for step in STEPS:
-            for op, (a, b) in cases(name, step).items():
+            for op, (a, b) in cases(name, step, dtype).items():
                 ta, tb = time_pair(a, b, args.reps)
                 lines.append(f"| {name} | {step} | {op} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | "
                              f"{tb / ta:.2f}x |")

@@ -78,6 +78,9 @@ def test_bf16_top1_logprobs_follow_float32(kind, checkpoint_dir, stepper_module)
     bf16, _ = _worker(path, "bfloat16", stepper_module)
     assert bf16.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    # Logits leave the bf16 LM head as float32: the sampler and the logprobs see float32.
+    hidden = torch.randn(3, bf16.arch.hidden_size).to(torch.bfloat16)
+    assert bf16.model.compute_logits(hidden).dtype == torch.float32
     bf16.init_kv_cache(layout)
     assert all(t.dtype == torch.bfloat16 for t in bf16.runner.kv_pool.tensors)
     got = _scored(bf16, stepper_module, layout, seqs)
