@@ -10,6 +10,7 @@ forward pass), from the engine's own counters.
 
     python benchmarks/throughput.py --quick                 # this 2-core CPU machine
     python benchmarks/throughput.py --model DIR --workload sharegpt
+    python benchmarks/throughput.py --quick --backend local --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto",
+                    help="model dtype: auto (the checkpoint's where the device computes it fast), "
+                         "float32, bfloat16, float16")
     ap.add_argument("--backend", choices=["ray", "local"], default=None,
                     help="ray (the default path: controller and worker actors) or local "
                          "(the engine in this process)")
@@ -62,6 +66,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        dtype=args.dtype,
     )
     vocab = llm.vocab_size
     rng = np.random.default_rng(args.seed)
@@ -86,8 +91,8 @@ def main() -> None:
     sched = after["time_schedule_s"] - before["time_schedule_s"]
     execute = after["time_execute_s"] - before["time_execute_s"]
     steps = after["num_steps"] - before["num_steps"]
-    print(f"backend={args.backend or 'ray'} workload={args.workload} requests={len(prompts)} "
-          f"input_tokens={in_tokens} output_tokens={out_tokens}")
+    print(f"backend={args.backend or 'ray'} dtype={args.dtype} workload={args.workload} "
+          f"requests={len(prompts)} input_tokens={in_tokens} output_tokens={out_tokens}")
     print(f"elapsed_s={elapsed:.2f} output_tok_per_s={out_tokens / elapsed:.1f} "
           f"total_tok_per_s={(in_tokens + out_tokens) / elapsed:.1f} "
           f"req_per_s={len(prompts) / elapsed:.3f}")
