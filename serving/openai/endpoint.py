@@ -20,13 +20,9 @@ from pagedserve.messages import (
     CompletionOutput,
 )
 from pagedserve.serving.openai.cpu_pool import CpuPool
-from pagedserve.serving.openai.engine_run import (
-    APIError,
-    EngineRun,
-    token_text,
-    top_entries,
-)
+from pagedserve.serving.openai.engine_run import APIError, EngineRun
 from pagedserve.serving.openai.render import render_json
+from pagedserve.serving.openai.token_entries import token_text, top_entries
 
 __all__ = ["Endpoint"]
 

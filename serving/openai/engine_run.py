@@ -49,7 +49,6 @@ __all__ = [
     "Prompt",
     "ServerContext",
     "current_request_id",
-    "token_text",
     "validation_error",
 ]
 
@@ -61,9 +60,6 @@ ADD_TIMEOUT_S = 120.0
 # How often a waiting answer asks whether its client is still there, output arriving or not: a
 # gone client's requests are aborted within this (plus one engine step).
 DISCONNECT_POLL_S = 0.25
-
-# Logprobs of -inf cannot travel in JSON.
-_MIN_LOGPROB = -9999.0
 
 
 class APIError(Exception):
@@ -394,20 +390,3 @@ def submit_error(exc: BaseException, prompt_param: str) -> APIError:
         return APIError(400, str(exc), param=param, code=type(exc).__name__)
     return APIError(400, str(exc))
 
-
-def token_text(client: EngineClient, token_id: int) -> str:
-    tok = client.tokenizer
-    if tok is None:
-        return f"token_id:{token_id}"
-    return tok.decode([token_id], skip_special_tokens=False)
-
-
-def top_entries(entry: dict[int, float], num: int) -> tuple[int, float, list[tuple[int, float]]]:
-    """(sampled id, its logprob, the ``num`` most likely alternatives) of one position.
-
-    The engine's dict holds the sampled token first, then the top candidates."""
-    sampled = next(iter(entry))
-    top = sorted(entry.items(), key=lambda kv: -kv[1])[:num]
-    return sampled, max(entry[sampled], _MIN_LOGPROB), [
-        (t, max(lp, _MIN_LOGPROB)) for t, lp in top
-    ]
