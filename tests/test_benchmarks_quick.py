@@ -69,3 +69,41 @@ def test_kv_tiers_quick(tmp_path: Path) -> None:
     prefix = {r["tier"]: r for r in json.loads((out / "kv_tiers.json").read_text())["prefix"]}
     assert prefix["on"]["host_hits"] > 0 and prefix["off"]["host_hits"] == 0
     assert prefix["on"]["hit_rate"] >= 2 * prefix["off"]["hit_rate"]
+
+
+def test_perplexity_quick(tmp_path: Path) -> None:
+    """The perplexity benchmark on the demo checkpoint: its float32 row equals transformers'
+    perplexity over the same windows (so the prompt-logprob path scores what it claims), and
+    bfloat16 lands within the --check bound of it."""
+    import math
+
+    import torch
+    import transformers as tf
+
+    from pagedserve.workers.demo import write_demo_checkpoint
+
+    model = write_demo_checkpoint(tmp_path / "demo")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "quantization.md"
+    window, count = 24, 2
+    cmd = [sys.executable, str(BENCHMARKS / "perplexity.py"), "--model", str(model),
+           "--settings", "float32,bfloat16", "--window", str(window),
+           "--max-windows", str(count), "--check", "0.05", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {line.split("|")[1].strip(): float(line.split("|")[3])
+            for line in out.read_text().splitlines() if line.startswith("| float32")
+            or line.startswith("| bfloat16")}
+    tok = tf.AutoTokenizer.from_pretrained(model)
+    hf = tf.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    ids = tok.encode((BENCHMARKS / "data" / "perplexity.txt").read_text(),
+                     add_special_tokens=False)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(count):
+            chunk = torch.tensor([ids[i * window:(i + 1) * window]])
+            logp = torch.log_softmax(hf(chunk).logits[0, :-1].double(), -1)
+            total += logp.gather(1, chunk[0, 1:, None]).sum().item()
+            n += chunk.shape[1] - 1
+    assert math.isclose(rows["float32"], math.exp(-total / n), rel_tol=1e-4), rows
+    assert abs(rows["bfloat16"] / rows["float32"] - 1) < 0.05, rows

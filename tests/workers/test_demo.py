@@ -48,17 +48,20 @@ def test_transformers_loads_model_and_tokenizer(demo):
 
 
 def test_worker_matches_transformers_on_demo(demo, checkpoints, stepper_module):
+    import torch
+
     from pagedserve.config import CacheConfig, EngineConfig, ModelConfig
     from pagedserve.workers.worker import Worker
 
     worker = Worker(
         EngineConfig(
-            model=ModelConfig(model=str(demo)),  # auto: bf16 checkpoint -> float32 on CPU
+            # float32 pinned: the reference is greedy token for token, whatever "auto" picks here
+            model=ModelConfig(model=str(demo), dtype="float32"),
             cache=CacheConfig(block_size=16, kv_cache_memory_bytes=1 << 24),
         )
     )
     report = worker.load_model()
-    assert worker.dtype.is_floating_point and report.layer_specs[0].dtype_bytes == 4
+    assert worker.dtype == torch.float32 and report.layer_specs[0].dtype_bytes == 4
     layout = stepper_module.layout_for(report, num_blocks=32, block_size=16)
     worker.init_kv_cache(layout)
     st = stepper_module.Stepper(worker, layout)
