@@ -205,17 +205,25 @@ def test_a_request_every_rank_rejects_fails_alone(ray_local, ckpt_root, request)
     assert _generate(engine, PROMPTS[:1], prefix="after") == expected[:1]
 
 
-def _wait_dead(actor, timeout_s: float = 10.0) -> None:
+def _process_gone(pid: int) -> bool:
+    """No such process, or a zombie waiting for its parent: either way it runs no more code."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _kill_and_wait(actor, timeout_s: float = 10.0) -> None:
+    """Kill a rank and wait until its process has stopped. Ray marks the actor dead (its
+    methods raise) before the process is gone, and a rank whose process lingers can still
+    answer a step over the step channel, which does not go through Ray."""
+    pid = ray.get(actor.ping.remote(), timeout=10)
+    ray.kill(actor, no_restart=True)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.ping.remote(), timeout=1.0)
-        except ray.exceptions.RayActorError:
-            return
-        except ray.exceptions.GetTimeoutError:
-            pass
+    while not _process_gone(pid):
+        assert time.monotonic() < deadline, "the killed rank is still running"
         time.sleep(0.05)
-    raise AssertionError("the killed rank is still alive")
 
 
 def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_root, request):
@@ -233,8 +241,7 @@ def test_killed_rank_fails_requests_rebuilds_then_caps_restarts(ray_local, ckpt_
     victim = executor.rank_table[1]
 
     # 1. Kill rank 1 mid-generation: every in-flight request fails promptly, naming it.
-    ray.kill(executor.worker_actors()[1], no_restart=True)
-    _wait_dead(executor.worker_actors()[1])  # ray.kill returns before the process is gone
+    _kill_and_wait(executor.worker_actors()[1])
     start = time.monotonic()
     failed = engine.step()
     assert time.monotonic() - start < 5.0
