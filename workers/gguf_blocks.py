@@ -79,11 +79,11 @@ def decode_rows(raw: torch.Tensor, kind: str) -> GGUFBlocks:
     return GGUFBlocks(kind, codes, d, zeros)
 
 
-def write_blocks(gguf_path: Path, skeleton: Any, config: dict[str, Any], out_dir: Path) -> int:
-    """Copy the served-quantized linear weights of ``gguf_path`` into ``out_dir/BLOCKS_FILE``;
-    returns how many (none: no file written). ``skeleton`` is the transformers model (meta
-    device) the names map onto; ``config`` transformers' parsed GGUF config."""
-    import gguf
+def write_blocks(reader: Any, skeleton: Any, config: dict[str, Any], out_dir: Path) -> int:
+    """Copy the served-quantized linear weights of a GGUF file (its open ``gguf.GGUFReader``)
+    into ``out_dir/BLOCKS_FILE``; returns how many (none: no file written). ``skeleton`` is the
+    transformers model (meta device) the names map onto; ``config`` transformers' parsed GGUF
+    config."""
     from safetensors.torch import save_file
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -91,7 +91,6 @@ def write_blocks(gguf_path: Path, skeleton: Any, config: dict[str, Any], out_dir
         get_gguf_hf_weights_map,
     )
 
-    reader = gguf.GGUFReader(str(gguf_path))
     arch = str(reader.fields["general.architecture"].contents())
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
     names = get_gguf_hf_weights_map(skeleton, processor)

@@ -25,7 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,9 @@ class GGUFInfo:
     name: str
     tensor_types: tuple[str, ...]  # the distinct tensor encodings, e.g. ("F32", "Q4_1")
     num_tensors: int
+    # The open reader (a memory map), for the conversion to reuse: parsing the header builds
+    # every vocabulary entry in Python, seconds per pass on a 49k-token vocabulary.
+    reader: Any = field(default=None, repr=False, compare=False)
 
 
 def _import_gguf() -> Any:
@@ -101,8 +104,8 @@ def supported_quantization_types() -> list[str]:
     return sorted(names)
 
 
-def _field_text(field: Any) -> str:
-    value = field.contents()
+def _field_text(entry: Any) -> str:
+    value = entry.contents()
     return value if isinstance(value, str) else str(value)
 
 
@@ -118,10 +121,10 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         reader = gguf.GGUFReader(str(file))
     except (OSError, ValueError) as exc:
         raise GGUFError(f"{file} is not a readable GGUF file: {exc}") from exc
-    field = reader.fields.get("general.architecture")
-    if field is None:
+    arch_field = reader.fields.get("general.architecture")
+    if arch_field is None:
         raise GGUFError(f"{file} has no general.architecture field")
-    arch = _field_text(field)
+    arch = _field_text(arch_field)
     name_field = reader.fields.get("general.name")
     name = _field_text(name_field) if name_field is not None else file.stem
     supported = [a for a in SUPPORTED_GGUF_ARCHITECTURES if a in _transformers_gguf_archs()]
@@ -132,7 +135,7 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     for t in types:
         if t not in readable:
             raise UnsupportedGGUFError(str(file), "quantization type", t, readable)
-    return GGUFInfo(file, arch, name, types, len(reader.tensors))
+    return GGUFInfo(file, arch, name, types, len(reader.tensors), reader)
 
 
 def _transformers_gguf_archs() -> set[str]:
@@ -197,7 +200,7 @@ def _convert(info: GGUFInfo, out: Path, dtype: str) -> Path:
     weights = {k: v.to(torch_dtype).contiguous() for k, v in tensors.items() if k in expected}
     del tensors
     save_weights(weights, out / "model.safetensors")
-    write_blocks(info.path, skeleton, cfg, out)  # served quantized unless asked otherwise
+    write_blocks(info.reader, skeleton, cfg, out)  # served quantized unless asked otherwise
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out)
