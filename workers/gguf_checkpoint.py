@@ -64,7 +64,7 @@ class GGUFInfo:
     num_tensors: int
     # The open reader (a memory map), for the conversion to reuse: parsing the header builds
     # every vocabulary entry in Python, seconds per pass on a 49k-token vocabulary.
-    reader: Any = field(default=None, repr=False, compare=False)
+    reader: Any = field(repr=False, compare=False)
 
 
 def _import_gguf() -> Any:
