@@ -141,9 +141,11 @@ class EngineLoop:
                 cmds.append(self._commands.get_nowait())
         except queue.Empty:
             pass
-        if not block:
+        if cmds or not block:
+            # Work, or a command that may bring some: the idle spell is over. (A request that
+            # finishes in the step it was added in never makes the loop non-blocking.)
             self._idle_checked = False
-        elif not cmds and not self._idle_checked:
+        elif not self._idle_checked:
             # Idle and nobody waiting: the moment for the O(blocks) check, off the step path.
             self.engine.check_idle_kv()
             self._stats = dict(self.engine.stats())

@@ -132,12 +132,19 @@ def test_the_loop_checks_the_kv_manager_once_per_idle_spell(kit) -> None:
         assert stats["kv_integrity_ok"] == 1
         checks = stats["kv_integrity_checks"]
         # A block that never comes back: the next idle check reports it.
-        engine.kv.pool.get_new_blocks(1)
+        leaked = engine.kv.pool.get_new_blocks(1)
         second = Collector()
         add(client, "b", [6, 7], params, second)
         assert second.done.wait(10)
         stats = after_idle_check(checks)
         assert stats["kv_integrity_ok"] == 0
         assert stats["kv_integrity_checks"] == checks + 1  # once per idle spell, not per poll
+        # A request done in the step that admits it (one token) ends an idle spell too.
+        engine.kv.pool.free_blocks(leaked)
+        third = Collector()
+        add(client, "c", [8, 9], SamplingParams(max_tokens=1, ignore_eos=True), third)
+        assert third.done.wait(10)
+        stats = after_idle_check(checks + 1)
+        assert stats["kv_integrity_ok"] == 1
     finally:
         client.shutdown()
