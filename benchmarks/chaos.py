@@ -19,8 +19,8 @@ measured. Then the same well-behaved storm runs twice, alone and beside hostile 
 well-behaved request must complete, and their P99 latency beside the hostile ones must stay
 within ``--max-ratio`` (2x) of it alone. Exit status 1 when any of that fails.
 
-    python benchmarks/chaos.py --out docs/results/reliability.md     # 400 + 2 x 200 clients
-    python benchmarks/chaos.py --quick                                # 60 + 2 x 40 clients, CI
+    python benchmarks/chaos.py --out docs/results/reliability.md  # 400 + 2 rounds of 2 x 200
+    python benchmarks/chaos.py --quick                            # 60 + 3 rounds of 2 x 60, CI
 """
 
 from __future__ import annotations
@@ -173,6 +173,7 @@ async def _beside(url: str, good: list[dict[str, Any]], concurrency: int, hostil
     loop shares); latencies of the well-behaved and every outcome."""
     good_out: Counter[str] = Counter()
     hostile_out: Counter[str] = Counter()
+    unexpected: Counter[str] = Counter()
     latencies: list[float] = []
     sem, finished = asyncio.Semaphore(concurrency), asyncio.Event()
     async with httpx.AsyncClient(base_url=url, timeout=120) as http, \
@@ -194,12 +195,16 @@ async def _beside(url: str, good: list[dict[str, Any]], concurrency: int, hostil
                 plan = chaos_hostile.plan(rng)
                 outcome, expected = await chaos_hostile.run(hostile_http, plan)
                 hostile_out[f"{plan['kind']} {outcome}"] += 1
+                # A refusal the server should give but did not (or the reverse) is a bug too;
+                # a client that hung up may have had its answer first.
+                if outcome != expected and not (outcome == "complete" and expected == "left"):
+                    unexpected[f"{plan['kind']} {outcome}"] += 1
                 await asyncio.sleep(rng.uniform(0.05, 0.25))
 
         t0 = time.monotonic()
         await asyncio.gather(all_good(), *(hostile() for _ in range(hostile_clients)))
     return {"storm_s": time.monotonic() - t0, "good": good_out, "hostile": hostile_out,
-            "latencies": latencies}
+            "unexpected": unexpected, "latencies": latencies}
 
 
 def _compare(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -208,7 +213,8 @@ def _compare(url: str, args: argparse.Namespace) -> dict[str, Any]:
     kinds, lengths and sampling (one seed), prompts of other clients' numbers (so that no storm
     has a prefix-cache head start), /health probed throughout. Latencies pooled per side."""
     out: dict[str, Any] = {name: {"storm_s": 0.0, "good": Counter(), "hostile": Counter(),
-                                  "latencies": [], "health": {"max_ms": 0.0, "p99_ms": 0.0}}
+                                  "unexpected": Counter(), "latencies": [],
+                                  "health": {"max_ms": 0.0, "p99_ms": 0.0}}
                            for name in ("baseline", "hostile")}
     for round_ in range(args.rounds):
         for side, (name, hostile) in enumerate((("baseline", 0), ("hostile", args.hostile))):
@@ -224,14 +230,17 @@ def _compare(url: str, args: argparse.Namespace) -> dict[str, Any]:
             acc["latencies"] += one["latencies"]
             acc["good"].update(one["good"])
             acc["hostile"].update(one["hostile"])
+            acc["unexpected"].update(one["unexpected"])
             for k in ("max_ms", "p99_ms"):
                 acc["health"][k] = max(acc["health"][k], health[k])
     for acc in out.values():
         acc["p50_s"], acc["p99_s"] = (percentile(acc["latencies"], q) for q in (0.5, 0.99))
         acc["good"], acc["hostile"] = dict(acc["good"]), dict(sorted(acc["hostile"].items()))
+        acc["unexpected"] = dict(acc["unexpected"])
         del acc["latencies"]
     out["ratio"] = out["hostile"]["p99_s"] / max(out["baseline"]["p99_s"], 1e-9)
     out["hostile_drops"] = sum(v for k, v in out["hostile"]["hostile"].items() if " drop" in k)
+    out["hostile_unexpected"] = out["hostile"]["unexpected"]
     out["good_failed"] = sum(v for r in (out["baseline"], out["hostile"])
                              for k, v in r["good"].items() if k != "complete")
     return out
@@ -239,8 +248,11 @@ def _compare(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _wait_idle(http: httpx.Client) -> dict[str, float]:
     """``/metrics`` once idle (nothing running or waiting, no KV block in use) and the
-    engine's integrity check has run since the storm ended (up to 60 s)."""
+    engine's integrity check has run since the storm ended (up to 60 s). The engine checks
+    once per idle spell, and that spell may have begun before this call: one more request
+    ends it, so that the next check is one after the storm."""
     checks = metrics(http.get("/metrics").text).get("kv_cache_integrity_checks_total", 0)
+    http.post("/v1/completions", json={**GREEDY_PROBE, "max_tokens": 1})
     deadline, idle = time.monotonic() + 60, {}
     while time.monotonic() < deadline:
         idle = metrics(http.get("/metrics").text)
@@ -266,12 +278,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the two, alternating")
     ap.add_argument("--max-ratio", type=float, default=2.0,
                     help="bound on the well-behaved P99 with hostile clients over without")
-    ap.add_argument("--quick", action="store_true", help="60 + 2 x 40 clients (CI)")
+    ap.add_argument("--quick", action="store_true",
+                    help="60 + 3 rounds of 2 x 60 clients, bound 3x (CI, beside other tests)")
     ap.add_argument("--out", default=None, help="write the report (markdown) here")
     args = ap.parse_args()
     if args.quick:
-        args.clients, args.concurrency, args.well_behaved, args.hostile = 60, 12, 40, 4
-        args.rounds = 1
+        # Three rounds pooled, so that the P99 is not just the slowest of a few dozen; the
+        # looser bound because CI runs this beside other tests, whose bursts fall on one side.
+        args.clients, args.concurrency, args.well_behaved, args.hostile = 60, 12, 60, 4
+        args.rounds, args.max_ratio = 3, 3.0
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="pagedserve-chaos-"))
     model = write_demo_checkpoint(work / "demo-model")
@@ -326,7 +341,8 @@ def main() -> int:
           and report["kv_integrity_ok"] == 1 and report["same_text_after"])
     c = report["compare"]
     ok = ok and (c["ratio"] <= args.max_ratio and c["good_failed"] == 0
-                 and c["hostile_drops"] == 0 and c["idle"] == (0, 0, 0, 1))
+                 and c["hostile_drops"] == 0 and not c["hostile_unexpected"]
+                 and c["idle"] == (0, 0, 0, 1))
     print(json.dumps(report, indent=2))
     if args.out:
         _write(Path(args.out), report, " ".join(sys.argv[1:]), args)
@@ -364,6 +380,7 @@ def _write(path: Path, r: dict[str, Any], argv: str, args: argparse.Namespace) -
         "503 for requests the dead worker failed) and SSE error events.",
         *chaos_hostile.report_lines(r["compare"], args.concurrency, args.hostile,
                                     args.rounds, args.max_ratio),
+        "", "Fuzzing of the decoders, the HTTP API and a live server: `fuzzing.md`.",
     ]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 

@@ -13,7 +13,7 @@ Checks: no answer >= 500 (nor a stream's internal-error event, nor a dropped con
 engine restart, ``/health`` answering 200 throughout (its slowest answer is reported), and
 afterwards 0 running requests and 0 KV blocks in use. Exit status 1 when any fails.
 
-    python benchmarks/fuzz_server.py --examples 400 --out /tmp/fuzz.md
+    python benchmarks/fuzz_server.py --examples 400 --out docs/results/fuzz_server.md
 """
 
 from __future__ import annotations
