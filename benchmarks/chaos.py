@@ -46,7 +46,8 @@ from pagedserve.workers.demo import DEMO_VOCAB_SIZE, write_demo_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when imported
 import chaos_hostile  # noqa: E402
-from chaos_common import ProbeProcess, metrics, percentile, serve  # noqa: E402
+from chaos_common import RESULTS_TITLE, ProbeProcess, metrics, percentile, serve  # noqa: E402
+from results_section import write_section  # noqa: E402
 
 MAX_MODEL_LEN = 256
 GREEDY_PROBE = {"prompt": "Hello, my name is", "max_tokens": 12, "temperature": 0.0}
@@ -352,7 +353,7 @@ def main() -> int:
 
 def _write(path: Path, r: dict[str, Any], argv: str, args: argparse.Namespace) -> None:
     lines = [
-        "# Reliability: a chaos storm against the HTTP server", "",
+        "## A chaos storm against the HTTP server", "",
         f"Command: `python benchmarks/chaos.py {argv}`", "",
         "The server of `pagedserve serve` (Ray controller actor and one worker actor, the demo",
         f"checkpoint, a {r['num_gpu_blocks']}-block KV pool so that the engine preempts) takes",
@@ -380,9 +381,8 @@ def _write(path: Path, r: dict[str, Any], argv: str, args: argparse.Namespace) -
         "503 for requests the dead worker failed) and SSE error events.",
         *chaos_hostile.report_lines(r["compare"], args.concurrency, args.hostile,
                                     args.rounds, args.max_ratio),
-        "", "Fuzzing of the decoders, the HTTP API and a live server: `fuzzing.md`.",
     ]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_section(path, "chaos.py", lines, RESULTS_TITLE)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ from typing import Any
 import httpx2 as httpx
 import uvicorn
 
+# docs/results/reliability.md's, where chaos.py and fuzz_server.py each keep a section
+RESULTS_TITLE = "Reliability: chaos storms, hostile clients and fuzzing against the HTTP server"
+
 
 def serve(app: Any, limits: Any = None) -> tuple[uvicorn.Server, threading.Thread, str]:
     """Serve ``app`` on a free port of 127.0.0.1 in a daemon thread; with ``limits`` (a

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import platform
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -38,6 +37,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from results_section import write_section
 
 from pagedserve.config import from_flat
 from pagedserve.controller.engine_core import EngineCore
@@ -54,6 +55,8 @@ from pagedserve.messages import (
 FIRST_TOKEN = 3  # the demo vocabulary's ids 0-2 are special tokens
 # Thread CPU time by default: on a shared machine, time spent descheduled is not the engine's.
 CLOCKS = {"cpu": time.thread_time_ns, "wall": time.perf_counter_ns}
+
+TITLE = "Controller cost per step as outputs grow"
 
 
 class InstantExecutor:
@@ -174,20 +177,6 @@ def table(steps: list[tuple[int, float]], lengths: list[int], window: int) -> li
     return rows
 
 
-def write_section(path: Path, label: str, body: list[str]) -> None:
-    """Write this run as the section ``## <label>``: replaced if present, else appended."""
-    head = "# Controller cost per step as outputs grow\n\nbenchmarks/controller_step.py\n"
-    text = path.read_text() if path.exists() else head
-    section = "\n".join([f"## {label}", "", *body]) + "\n"
-    pattern = re.compile(rf"^## {re.escape(label)}\n.*?(?=^## |\Z)", re.M | re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,7 +239,8 @@ def main() -> None:
     print(f"\n{heading}\n")
     print("\n".join(body))
     if args.out:
-        write_section(args.out, args.label or "unlabelled", body)
+        label = args.label or "unlabelled"
+        write_section(args.out, label, [f"## {label}", "", *body], TITLE)
         print(f"\nwrote {args.out}")
 
 

@@ -13,7 +13,7 @@ Checks: no answer >= 500 (nor a stream's internal-error event, nor a dropped con
 engine restart, ``/health`` answering 200 throughout (its slowest answer is reported), and
 afterwards 0 running requests and 0 KV blocks in use. Exit status 1 when any fails.
 
-    python benchmarks/fuzz_server.py --examples 400 --out docs/results/fuzz_server.md
+    python benchmarks/fuzz_server.py --examples 400 --out docs/results/reliability.md
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from hypothesis import strategies as st
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, when imported
-from chaos_common import HealthProbe, ProbeProcess, metrics, serve  # noqa: E402
+from chaos_common import RESULTS_TITLE, HealthProbe, ProbeProcess, metrics, serve  # noqa: E402
+from results_section import write_section  # noqa: E402
 
 MAX_MODEL_LEN = 128
 INT32_MAX = 2**31 - 1
@@ -338,7 +339,7 @@ def main() -> int:
     ap.add_argument("--examples", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--health-bound-ms", type=float, default=100.0)
-    ap.add_argument("--out", default=None, help="write the report (markdown section) here")
+    ap.add_argument("--out", default=None, help="write the report here (its section of the file)")
     args = ap.parse_args()
     ours, theirs = multiprocessing.get_context("spawn").Pipe()
     proc = multiprocessing.get_context("spawn").Process(target=_server, args=(theirs,))
@@ -361,8 +362,8 @@ def main() -> int:
 
 def _write(path: Path, r: dict[str, Any], argv: str, bound_ms: float) -> None:
     h = r["health"]
-    path.write_text("\n".join([
-        "## Live-server fuzz (hypothesis)", "",
+    write_section(path, "fuzz_server.py", [
+        "### Live-server fuzz: the figures", "",
         f"Command: `python benchmarks/fuzz_server.py {argv}`", "",
         "| measure | value |", "|---|---|",
         f"| requests | {r['examples']} ({r['fuzz_s']:.1f} s, hypothesis seed {r['seed']}) |",
@@ -374,7 +375,7 @@ def _write(path: Path, r: dict[str, Any], argv: str, bound_ms: float) -> None:
         f"| `/health` latency median / p99 / max | {h['median_ms']:.1f} / {h['p99_ms']:.1f} / "
         f"{h['max_ms']:.1f} ms (bound {bound_ms:.0f} ms) |",
         f"| after: running / waiting / KV blocks in use | {r['running']:.0f} / "
-        f"{r['waiting']:.0f} / {r['blocks_used']:.0f} |", ""]) + "\n", encoding="utf-8")
+        f"{r['waiting']:.0f} / {r['blocks_used']:.0f} |"], RESULTS_TITLE)
 
 
 if __name__ == "__main__":

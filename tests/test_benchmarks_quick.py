@@ -107,3 +107,25 @@ def test_perplexity_quick(tmp_path: Path) -> None:
             n += chunk.shape[1] - 1
     assert math.isclose(rows["float32"], math.exp(-total / n), rel_tol=1e-4), rows
     assert abs(rows["bfloat16"] / rows["float32"] - 1) < 0.05, rows
+
+
+def test_a_rerun_rewrites_only_its_own_section(tmp_path: Path) -> None:
+    """Scripts sharing a results file (chaos.py and fuzz_server.py in reliability.md; the runs
+    of controller_step.py) each replace their own section and keep the rest, notes included."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_section",
+                                                  BENCHMARKS / "results_section.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = tmp_path / "results" / "r.md"
+    module.write_section(path, "a", ["## A", "first"], "Title")
+    module.write_section(path, "b", ["## B", "one"], "Title")
+    path.write_text(path.read_text() + "\nnotes by hand\n")
+    module.write_section(path, "a", ["## A", "second"], "Other title")
+    text = path.read_text()
+    assert text.startswith("# Title\n")
+    assert "second" in text and "first" not in text
+    assert text.index("## A") < text.index("## B") < text.index("notes by hand")
+    assert text.count("<!-- begin a -->") == 1 and "one" in text
