@@ -1,6 +1,7 @@
-"""Tensor parallelism across (fake) nodes: a ``ray.cluster_utils.Cluster`` with a head and two
-worker nodes on this machine, tp = 2 with SPREAD. Every fake node has the same IP, so this also
-checks that placement and ranks are keyed by node id."""
+"""Tensor parallelism across (fake) nodes: a ``ray.cluster_utils.Cluster`` with a head and a
+worker node on this machine, one CPU each, tp = 2 with SPREAD: one rank on the controller's
+node (this process's, the head) and one on the other. Every fake node has the same IP, so this
+also checks that placement and ranks are keyed by node id."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def cluster():
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
-        nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+        nodes = [c.add_node(num_cpus=1)]
         c.wait_for_nodes()
         ray.init(address=c.address, log_to_driver=False)
         yield c, nodes
@@ -63,8 +64,7 @@ def test_tp2_spread_over_two_nodes(cluster, tmp_path, request):
     # The table follows the rule: the controller's node first, then by first bundle index.
     bundle_nodes = {s.bundle_index: s.node_id for s in table}
     assert table == rank_order(bundle_nodes, controller)
-    if controller in nodes:
-        assert nodes[0] == controller
+    assert nodes[0] == controller  # rank 0, the output rank, beside the controller
     # And each actor really runs on its rank's node.
     infos = ray.get([a.node_info.remote() for a in executor.worker_actors()], timeout=30)
     assert [i["node_id"] for i in infos] == nodes
