@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto",
                     help="model dtype: auto (the checkpoint's where the device computes it fast), "
                          "float32, bfloat16, float16")
+    ap.add_argument("--quantization", default="auto",
+                    help="auto (a GGUF file's blocks), none, int8 or gguf, as LLM() takes it")
     ap.add_argument("--backend", choices=["ray", "local"], default=None,
                     help="ray (the default path: controller and worker actors) or local "
                          "(the engine in this process)")
@@ -67,6 +69,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         dtype=args.dtype,
+        quantization=args.quantization,
     )
     vocab = llm.vocab_size
     rng = np.random.default_rng(args.seed)
@@ -91,7 +94,8 @@ def main() -> None:
     sched = after["time_schedule_s"] - before["time_schedule_s"]
     execute = after["time_execute_s"] - before["time_execute_s"]
     steps = after["num_steps"] - before["num_steps"]
-    print(f"backend={args.backend or 'ray'} dtype={args.dtype} workload={args.workload} "
+    print(f"backend={args.backend or 'ray'} dtype={args.dtype} "
+          f"quantization={args.quantization} workload={args.workload} "
           f"requests={len(prompts)} input_tokens={in_tokens} output_tokens={out_tokens}")
     print(f"elapsed_s={elapsed:.2f} output_tok_per_s={out_tokens / elapsed:.1f} "
           f"total_tok_per_s={(in_tokens + out_tokens) / elapsed:.1f} "
