@@ -46,7 +46,13 @@ from pagedserve.workers.demo import DEMO_VOCAB_SIZE, write_demo_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when imported
 import chaos_hostile  # noqa: E402
-from chaos_common import RESULTS_TITLE, ProbeProcess, metrics, percentile, serve  # noqa: E402
+from chaos_common import (  # noqa: E402
+    RESULTS_TITLE,
+    ProbeProcess,
+    percentile,
+    serve,
+    wait_idle,
+)
 from results_section import write_section  # noqa: E402
 
 MAX_MODEL_LEN = 256
@@ -247,24 +253,6 @@ def _compare(url: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _wait_idle(http: httpx.Client) -> dict[str, float]:
-    """``/metrics`` once idle (nothing running or waiting, no KV block in use) and the
-    engine's integrity check has run since the storm ended (up to 60 s). The engine checks
-    once per idle spell, and that spell may have begun before this call: one more request
-    ends it, so that the next check is one after the storm."""
-    checks = metrics(http.get("/metrics").text).get("kv_cache_integrity_checks_total", 0)
-    http.post("/v1/completions", json={**GREEDY_PROBE, "max_tokens": 1})
-    deadline, idle = time.monotonic() + 60, {}
-    while time.monotonic() < deadline:
-        idle = metrics(http.get("/metrics").text)
-        if (idle.get("num_requests_running") == 0 and idle.get("num_requests_waiting") == 0
-                and idle.get("kv_cache_blocks_used") == 0
-                and idle.get("kv_cache_integrity_checks_total", 0) > checks):
-            break
-        time.sleep(0.1)
-    return idle
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--clients", type=int, default=400)
@@ -313,10 +301,10 @@ def main() -> int:
             _storm(url, plans, args.concurrency, args.clients // 3, kill))
         storm_s = time.monotonic() - t_storm
         with httpx.Client(base_url=url, timeout=120) as http:
-            idle = _wait_idle(http)
+            idle = wait_idle(http, fresh_check=True)
             after = http.post("/v1/completions", json=GREEDY_PROBE).json()["choices"][0]["text"]
             compare = _compare(url, args)
-            last = _wait_idle(http)
+            last = wait_idle(http, fresh_check=True)
             compare["idle"] = tuple(last.get(k) for k in (
                 "num_requests_running", "num_requests_waiting", "kv_cache_blocks_used",
                 "kv_cache_integrity_ok"))

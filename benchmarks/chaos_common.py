@@ -1,10 +1,9 @@
 """What the server's reliability scripts share (``chaos.py``, ``fuzz_server.py``): a uvicorn
-server in a thread, the ``/metrics`` numbers, a ``/health`` prober and percentiles."""
+server in a thread, waiting for the server to be idle, a ``/health`` prober and percentiles."""
 
 from __future__ import annotations
 
 import json
-import re
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from typing import Any
 
 import httpx2 as httpx
 import uvicorn
+
+from pagedserve.bench.prom import parse_metrics
 
 # docs/results/reliability.md's, where chaos.py and fuzz_server.py each keep a section
 RESULTS_TITLE = "Reliability: chaos storms, hostile clients and fuzzing against the HTTP server"
@@ -43,10 +44,31 @@ def serve(app: Any, limits: Any = None) -> tuple[uvicorn.Server, threading.Threa
     return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def metrics(text: str) -> dict[str, float]:
-    """The unlabelled ``pagedserve_*`` samples of a Prometheus page, without the prefix."""
-    return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r"^pagedserve_(\w+) ([-0-9.e+]+)$", text, re.MULTILINE)}
+def _metrics(http: httpx.Client) -> dict[str, float]:
+    """The server's unlabelled ``pagedserve_*`` samples, without the prefix."""
+    prefix = "pagedserve_"
+    return {name[len(prefix):]: value
+            for (name, labels), value in parse_metrics(http.get("/metrics").text).samples.items()
+            if not labels and name.startswith(prefix)}
+
+
+def wait_idle(http: httpx.Client, *, fresh_check: bool = False) -> dict[str, float]:
+    """``/metrics`` once nothing runs or waits and no KV block is in use (up to 60 s); with
+    ``fresh_check``, also once the engine's KV integrity check has run since this call. The
+    engine checks once per idle spell, and that spell may have begun before this call: one
+    more request ends it, so that the next check is one after whatever came before."""
+    checks = _metrics(http).get("kv_cache_integrity_checks_total", 0)
+    if fresh_check:
+        http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    deadline, idle = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        idle = _metrics(http)
+        if (idle.get("num_requests_running") == 0 and idle.get("num_requests_waiting") == 0
+                and idle.get("kv_cache_blocks_used") == 0
+                and (not fresh_check or idle.get("kv_cache_integrity_checks_total", 0) > checks)):
+            break
+        time.sleep(0.05)
+    return idle
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, when imported
-from chaos_common import RESULTS_TITLE, HealthProbe, ProbeProcess, metrics, serve  # noqa: E402
+from chaos_common import RESULTS_TITLE, HealthProbe, ProbeProcess, serve, wait_idle  # noqa: E402
 from results_section import write_section  # noqa: E402
 
 MAX_MODEL_LEN = 128
@@ -287,12 +287,7 @@ def fuzz(url: str, *, examples: int, seed: int, probe_process: bool = True) -> d
 
         one()
         fuzz_s = time.monotonic() - t0
-        deadline, idle = time.monotonic() + 60, {}
-        while time.monotonic() < deadline:  # aborted and finished requests all freed
-            idle = metrics(http.get("/metrics").text)
-            if idle.get("num_requests_running") == 0 and idle.get("kv_cache_blocks_used") == 0:
-                break
-            time.sleep(0.05)
+        idle = wait_idle(http)  # aborted and finished requests all freed
     health = probe.stop()
     at, took = probe.slowest
     health["slowest_during"] = [d for a, b, d in spans if a < at + took and b > at]
