@@ -3,10 +3,10 @@ then hostile clients beside well-behaved ones.
 
 The server is the one ``pagedserve serve`` runs (``serving.openai.server.build_app`` over an engine
 on Ray: controller actor, worker actor, the demo checkpoint), served by uvicorn in this process
-on 127.0.0.1 so that the script can reach the worker actor to kill it. The KV pool is small, so
-the engine preempts. The storm mixes streaming and plain clients, clients that disconnect
-mid-stream or time out (aborts), invalid parameters, prompts at the edge of ``max_model_len``,
-``n > 1``, shared prefixes and a share of the hostile clients of issue 27
+on 127.0.0.1 so that the script can reach the worker actor to kill it. The KV pool is small,
+and the report counts the preemptions it causes. The storm mixes streaming and plain clients,
+clients that disconnect mid-stream or time out (aborts), invalid parameters, prompts at the
+edge of ``max_model_len``, ``n > 1``, shared prefixes and a share of the hostile clients of issue 27
 (``chaos_hostile``: ints past int64, lone surrogates, a 3 MB prompt, logprob bombs, thousands
 of stop strings, clients that never read their stream or hang up); one worker actor is killed
 part-way through.
@@ -257,7 +257,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--clients", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--num-gpu-blocks", type=int, default=64, help="small, so the engine preempts")
+    ap.add_argument("--num-gpu-blocks", type=int, default=64,
+                    help="small (the report counts preemptions)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hostile-share", type=float, default=0.1,
                     help="of the kill storm's clients, hostile ones (chaos_hostile)")
@@ -313,7 +314,7 @@ def main() -> int:
             "clients": args.clients, "num_gpu_blocks": args.num_gpu_blocks,
             "storm_s": storm_s, "outcomes": dict(outcomes),
             "drops": sum(drops.values()), "kills": 1, "recovered": recovered_s is not None,
-            "kill_to_serving_s": recovered_s, "preemptions": idle.get("num_preemptions", 0),
+            "kill_to_serving_s": recovered_s, "preemptions": idle.get("num_preemptions_total", 0),
             "blocks_leaked": idle.get("kv_cache_blocks_used"),
             "running": idle.get("num_requests_running"),
             "waiting": idle.get("num_requests_waiting"),
@@ -344,7 +345,7 @@ def _write(path: Path, r: dict[str, Any], argv: str, args: argparse.Namespace) -
         "## A chaos storm against the HTTP server", "",
         f"Command: `python benchmarks/chaos.py {argv}`", "",
         "The server of `pagedserve serve` (Ray controller actor and one worker actor, the demo",
-        f"checkpoint, a {r['num_gpu_blocks']}-block KV pool so that the engine preempts) takes",
+        f"checkpoint, a {r['num_gpu_blocks']}-block KV pool; its preemptions are counted) takes",
         "a storm of clients:",
         "streaming and plain, clients leaving mid-stream or timing out, invalid parameters,",
         "prompts at the edge of the context, `n > 1`, shared prefixes, and "
