@@ -105,10 +105,11 @@ def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int],
 
 # -- one engine, in its own process -------------------------------------------------------------
 
-def run_pagedserve(model: str, work: dict, backend: str | None, dtype: str) -> list[list[int]]:
+def run_pagedserve(model: str, work: dict, backend: str | None, dtype: str,
+                   quantization: str) -> list[list[int]]:
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(model, backend=backend, dtype=dtype)
+    llm = LLM(model, backend=backend, dtype=dtype, quantization=quantization)
     try:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                   for m in work["max_tokens"]]
@@ -197,9 +198,9 @@ def run_hf_cb(model: str, work: dict, dtype: str) -> list[list[int]]:
 def run_one(args: argparse.Namespace) -> None:
     work = json.loads(Path(args.workload).read_text())
     if args.run_one in ("pagedserve", "base"):
-        outs = run_pagedserve(args.model_dir, work, None, args.dtype)
+        outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization)
     elif args.run_one in ("pagedserve-local", "base-local"):
-        outs = run_pagedserve(args.model_dir, work, "local", args.dtype)
+        outs = run_pagedserve(args.model_dir, work, "local", args.dtype, args.quantization)
     elif args.run_one == "hf-static":
         outs = run_hf_static(args.model_dir, work, args.hf_batch_size, args.dtype)
     else:
@@ -227,7 +228,7 @@ def launch(engine: str, args: argparse.Namespace, mdir: Path, wfile: Path, tmp: 
         cmd = [str(py or sys.executable), str(Path(__file__).resolve()), "--run-one", engine,
                "--hf-batch-size", str(args.hf_batch_size)]
     cmd += ["--model-dir", str(mdir), "--workload", str(wfile), "--result", str(result),
-            "--dtype", args.dtype]
+            "--dtype", args.dtype, "--quantization", args.quantization]
     # A working directory outside the repository: its top-level folders shadow other modules.
     subprocess.run(cmd, cwd=tmp, check=True, stdout=subprocess.DEVNULL if args.quiet else None,
                    env=env)
@@ -322,6 +323,10 @@ def main() -> None:
                          "binding)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="every engine's weights and activations")
+    ap.add_argument("--quantization", default="none",
+                    help="pagedserve's quantization; none (the default) serves the checkpoint's "
+                         "own weights, as the peers do, where auto would serve a GGUF "
+                         "checkpoint's quantized blocks")
     ap.add_argument("--baseline-venv", default=None,
                     help="adds base and base-local: pagedserve as installed in that venv")
     ap.add_argument("--num-requests", type=int, default=64)

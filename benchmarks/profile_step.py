@@ -42,6 +42,7 @@ RULES: list[tuple[str, str, str | None]] = [
     ("attention: output scatter", "", "kernels/reference.py:out["),
     ("cache write", "reshape_and_cache", None),
     ("linear layers (GEMM)", "linear", "kernels/linear.py"),
+    ("linear layers (GEMM)", "", "kernels/quant_linear.py"),
     ("linear layers (GEMM)", "Linear.forward", "parallel/linear.py"),
     ("linear layers (GEMM)", "ParallelLMHead", "parallel/linear.py"),
     ("embedding", "VocabParallelEmbedding", "parallel/linear.py"),
@@ -108,7 +109,8 @@ def profile(args: argparse.Namespace) -> collections.Counter[str]:
         raw = Path(tmp) / "raw.txt"
         cmd = [spy, "record", "-r", str(args.rate), "-f", "raw", "--full-filenames", "-o",
                str(raw), "--", sys.executable, str(Path(__file__).resolve()), "--child",
-               "--model", args.model, "--num-requests", str(args.num_requests)]
+               "--model", args.model, "--num-requests", str(args.num_requests),
+               "--dtype", args.dtype, "--quantization", args.quantization]
         subprocess.run(cmd, cwd=tmp, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": ""})
         counts: collections.Counter[str] = collections.Counter()
@@ -128,7 +130,7 @@ def child(args: argparse.Namespace) -> None:
     mdir = peers.model_dir(args.model)
     vocab = AutoConfig.from_pretrained(mdir).vocab_size
     work = peers.make_workload(args.num_requests, (16, 256), (16, 256), vocab, 0)
-    peers.run_pagedserve(str(mdir), work, "local")
+    peers.run_pagedserve(str(mdir), work, "local", args.dtype, args.quantization)
     print(json.dumps({"elapsed_s": work["elapsed_s"]}))
 
 
@@ -137,6 +139,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-22m")
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default="none",
+                    help="the engine's quantization (none: the checkpoint's own weights)")
     ap.add_argument("--rate", type=int, default=200, help="samples per second")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -146,8 +151,8 @@ def main() -> None:
     counts = profile(args)
     total = sum(counts.values()) or 1
     lines = [f"model `{args.model}`, {args.num_requests} requests (peers workload), in-process "
-             f"engine, {total} samples in the step loop", "", "| part | share of step time |",
-             "|---|---|"]
+             f"engine, {args.dtype}, quantization {args.quantization}, {total} samples in the "
+             f"step loop", "", "| part | share of step time |", "|---|---|"]
     lines += [f"| {part} | {n / total:.1%} |" for part, n in counts.most_common()]
     table = "\n".join(lines) + "\n"
     emit_table(table, args.out)

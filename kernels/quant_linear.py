@@ -1,9 +1,22 @@
 """Weight-only quantized matmuls, ``y = x W^T (+ b)`` with W held in int8 or int4.
 
-Two layouts, each on an aten CPU kernel with a pure-torch reference beside it:
+Two layouts, each on CPU kernels with a pure-torch reference beside it:
 
 - **int8 per output channel** (``quantize_int8``): ``W[n, k] = q[n, k] * s[n]``, q int8 in
-  [-127, 127], s = max|W[n, :]| / 127. Runs through ``aten._weight_int8pack_mm``.
+  [-127, 127], s = max|W[n, :]| / 127. Two kernels, chosen by the number of rows:
+  - up to ``WEIGHT_ONLY_ROWS`` rows (a decode step of a few sequences, where reading the
+    weight is the cost), weight-only through ``aten._weight_int8pack_mm``;
+  - above it, dynamic int8 activations: each row of x is quantized symmetrically with its own
+    scale (``quantize_rows_int8``, compiled in ``csrc/quant_cpu.cpp``), the int8 product runs
+    through ``torch._int_mm`` (int32 sums, exact), and ``dequantize_int32`` applies the row and
+    channel scales. ``_weight_int8pack_mm`` computes one matrix-vector product per row, so at
+    64 rows it is about 10x slower than a bf16 GEMM on this class of CPU, while ``_int_mm``
+    keeps pace with it (``benchmarks/int8_linear.py`` measures them per shape).
+    This is the W8A8 scheme of vLLM's CPU int8 and torchao's dynamic int8: the activation
+    rounding (at most half a step of its row's amax / 127 per element) is the price, measured
+    as perplexity in ``docs/results/quantization.md``. The caller says per weight whether it
+    may take that path (``quantize_int8(..., dynamic=)``: the loader keeps the QKV projection
+    weight-only, ``workers/quantize.py`` says why).
 - **int4 in groups of 32 along the input dim** (``pack_int4``), the layout of GGUF's Q4_0 and
   Q4_1 blocks: ``W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g]`` with q in [0, 15] and
   ``g = k // 32``. That is aten's convention (``_weight_int4pack_mm_for_cpu``, weights packed
@@ -11,15 +24,15 @@ Two layouts, each on an aten CPU kernel with a pure-torch reference beside it:
   it against float64. Q4_1 (``d * q + m``) is ``s = d, z = m + 8 d``; Q4_0 (``d * (q - 8)``)
   is ``s = d, z = 0``.
 
-Casts: both aten kernels take the activations and the scales in one dtype and vectorise only
-bfloat16 (float32 runs a scalar loop, about 10x slower on this AVX2 machine:
-``benchmarks/quant_memory.py`` measures it), so the activations are cast to bfloat16, the
-kernel accumulates in float32 and rounds its output to bfloat16, and the result is cast back
-to the caller's dtype. The scales are stored in bfloat16 for the kernel (a relative rounding of
-at most 2**-9 per scale); the float32 originals are not kept. ``compute_dtype=torch.float32``
-runs the kernels' exact path (tests use it to check the layout convention exactly). Both
-kernels are CPU ones: off the CPU, int8 takes the reference (dequantize, then ``F.linear``)
-and the loader keeps GGUF weights dequantized.
+Casts: the two weight-only aten kernels take the activations and the scales in one dtype and
+vectorise only bfloat16 (float32 runs a scalar loop, about 10x slower on an AVX2 machine), so
+the activations are cast to bfloat16, the kernel accumulates in float32 and rounds its output
+to bfloat16, and the result is cast back to the caller's dtype. The scales are rounded to
+bfloat16 at quantization (a relative rounding of at most 2**-9 per scale) and the codes are
+rounded against the rounded scale. ``compute_dtype=torch.float32`` runs the weight-only
+kernels' exact path (tests use it to check the layout convention exactly). The dynamic path
+writes the caller's dtype directly. All kernels are CPU ones: off the CPU, int8 takes the
+reference (dequantize, then ``F.linear``) and the loader keeps GGUF weights dequantized.
 """
 
 from __future__ import annotations
@@ -27,17 +40,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.cpu import compiled_for, cpu_ops
+
 __all__ = [
     "GROUP_SIZE",
     "Int4Weight",
     "Int8Weight",
+    "WEIGHT_ONLY_ROWS",
+    "dequantize_int32",
+    "dequantize_int32_ref",
     "dequantize_int4_ref",
     "int4_linear",
     "int4_linear_ref",
     "int8_linear",
+    "int8_dynamic_linear_ref",
     "int8_linear_ref",
     "pack_int4",
     "quantize_int8",
+    "quantize_rows_int8",
+    "quantize_rows_int8_ref",
     "quantized_linear",
 ]
 
@@ -45,27 +66,40 @@ GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block length
 _KERNEL_DTYPE = torch.bfloat16
 _INNER_K_TILES = 2  # the packing's K tiling; K must be a multiple of 16 * this
 _N_MULTIPLE = 16  # the packing's N tiling (aten refuses other output sizes)
+# Rows up to which int8 stays weight-only: at a few rows the weight read is the cost, and
+# _weight_int8pack_mm reads half of bf16's bytes; from about eight rows its per-row products
+# fall behind the int8 GEMM (benchmarks/int8_linear.py).
+WEIGHT_ONLY_ROWS = 4
+# _int_mm on the CPU returns wrong sums for K = 1 (torch 2.13); real layers are far wider.
+_INT_MM_MIN_K = 16
 
 
 class Int8Weight:
-    """An int8 weight ``[out, in]`` and its per-channel scale ``[out]`` in the kernel dtype."""
+    """An int8 weight ``[out, in]`` and its per-channel scale ``[out]`` in the kernel dtype,
+    with the same scale in float32 for the dynamic path's epilogue (``col_scale``).
+    ``dynamic`` False keeps the layer weight-only at every row count."""
 
-    __slots__ = ("qweight", "scale")
+    __slots__ = ("col_scale", "dynamic", "qweight", "scale")
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dynamic: bool = True) -> None:
         self.qweight = qweight
         self.scale = scale
+        self.col_scale = scale.float().contiguous()
+        self.dynamic = dynamic
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scale.nbytes
+        return self.qweight.nbytes + self.scale.nbytes + self.col_scale.nbytes
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.double() * self.scale.double()[:, None]
 
 
-def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = _KERNEL_DTYPE) -> Int8Weight:
-    """Symmetric per-output-channel int8: ``weight [out, in]`` -> ``q * s``, q in [-127, 127].
+def quantize_int8(
+    weight: torch.Tensor, scale_dtype: torch.dtype = _KERNEL_DTYPE, dynamic: bool = True
+) -> Int8Weight:
+    """Symmetric per-output-channel int8: ``weight [out, in]`` -> ``q * s``, q in [-127, 127];
+    ``dynamic``: whether batched rows may take the dynamic int8 activations.
 
     The codes are rounded against the scale as stored (``scale_dtype``), so the bfloat16
     rounding of a scale moves no weight by more than half a step."""
@@ -73,7 +107,40 @@ def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = _KERNEL_DTYPE
     amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     scale = (amax / 127.0).to(scale_dtype)
     q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scale.contiguous())
+    return Int8Weight(q.contiguous(), scale.contiguous(), dynamic)
+
+
+def quantize_rows_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q [T, K] int8, scale [T] float32): each row symmetric, scale = amax / 127
+    (at least float32's smallest normal, so that a zero row's reciprocal stays finite)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    inv = 1.0 / scale
+    q = torch.round(xf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_int8_ref`` in one compiled pass where the library serves ``x``."""
+    if x.dim() == 2 and x.stride(-1) == 1 and compiled_for(x):
+        return cpu_ops().quantize_rows_int8(x)
+    return quantize_rows_int8_ref(x)
+
+
+def dequantize_int32_ref(
+    acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """acc [T, N] int32 -> ``(acc * row_scale[:, None]) * col_scale`` in ``dtype``."""
+    return (acc.float() * row_scale[:, None] * col_scale).to(dtype)
+
+
+def dequantize_int32(
+    acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``dequantize_int32_ref`` in one compiled pass where the library serves it."""
+    if dtype in (torch.float32, torch.bfloat16) and compiled_for(row_scale, col_scale):
+        return cpu_ops().dequantize_int32(acc.contiguous(), row_scale, col_scale, dtype)
+    return dequantize_int32_ref(acc, row_scale, col_scale, dtype)
 
 
 def int8_linear(
@@ -82,13 +149,21 @@ def int8_linear(
     bias: torch.Tensor | None = None,
     compute_dtype: torch.dtype = _KERNEL_DTYPE,
 ) -> torch.Tensor:
-    """x: [..., in] -> [..., out] in x's dtype (see the module docstring for the casts)."""
+    """x: [..., in] -> [..., out] in x's dtype: weight-only up to ``WEIGHT_ONLY_ROWS`` rows (or
+    always, for a weight made with ``dynamic=False``), dynamic int8 activations above (the
+    module docstring says why; ``compute_dtype`` is the weight-only kernel's)."""
     if x.device.type != "cpu":
         return int8_linear_ref(x, weight, bias)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).to(compute_dtype)
-    y = torch.ops.aten._weight_int8pack_mm(x2, weight.qweight, weight.scale.to(compute_dtype))
-    y = y.to(x.dtype).view(*lead, -1)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] <= WEIGHT_ONLY_ROWS or not weight.dynamic or k < _INT_MM_MIN_K:
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(compute_dtype), weight.qweight,
+                                               weight.scale.to(compute_dtype)).to(x.dtype)
+    else:
+        q, row_scale = quantize_rows_int8(x2.contiguous())
+        acc = torch._int_mm(q, weight.qweight.t())  # [T, out] int32
+        y = dequantize_int32(acc, row_scale, weight.col_scale, x.dtype)
+    y = y.view(*lead, -1)
     return y if bias is None else y + bias
 
 
@@ -98,6 +173,17 @@ def int8_linear_ref(
     """The dequantized weight through ``F.linear`` in x's dtype (float64 in the tests)."""
     w = weight.dequantize().to(x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def int8_dynamic_linear_ref(
+    x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The dynamic path's arithmetic in float64: x [T, in] quantized per row, the int8 product
+    summed exactly, both scales applied."""
+    q, row_scale = quantize_rows_int8_ref(x)
+    acc = q.double() @ weight.qweight.double().t()
+    y = acc * row_scale.double()[:, None] * weight.col_scale.double()
+    return y if bias is None else y + bias.double()
 
 
 class Int4Weight:

@@ -4,7 +4,16 @@
 - ``int8``: every decoder linear weight becomes int8 per output channel
   (``kernels/quant_linear.py``), quantized once here from the loaded weights. The LM head and
   the embeddings keep the model dtype: the head's logits feed sampling directly, and a tied
-  head shares the embedding's table, which an int8 copy would add to, not replace.
+  head shares the embedding's table, which an int8 copy would add to, not replace. Batched
+  rows run with dynamic int8 activations (``kernels/quant_linear.py``) in the attention output
+  and the MLP's gate/up projections only. The QKV projection stays weight-only: its outputs
+  become the attention logits, where the softmax amplifies their rounding. So does the MLP's
+  down projection: its input, the SiLU-gated product, carries a layer's largest activation
+  outliers, and one per-row scale coarsens every other element of the row. On SmolLM2,
+  against bf16 perplexity, each projection's activation rounding alone measured (with
+  ``benchmarks/perplexity.py``, the dynamic path limited to one projection by a patch not
+  kept): QKV +2.6%, down +1.1%, o and gate/up +0.4% (the int8 weights' own +0.4%); all four
+  together +4.5%. ``docs/results/quantization.md`` has the chosen split's figures.
 - ``gguf``: a checkpoint converted from a GGUF file serves its linear weights from the file's
   blocks (``workers/gguf_blocks.py``): a layer whose parts are all Q4_0/Q4_1 becomes int4 in
   groups of 32, the blocks' own codes, scales and offsets (exact up to the bfloat16 rounding
@@ -32,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.kernels.quant_linear import GROUP_SIZE, pack_int4, quantize_int8
+from pagedserve.kernels.quant_linear import GROUP_SIZE, Int8Weight, pack_int4, quantize_int8
 from pagedserve.parallel.linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -45,6 +54,9 @@ from pagedserve.workers.gguf_blocks import BLOCKS_FILE, GGUFBlocks, read_blocks
 __all__ = ["QuantizationReport", "quantize_model", "resolve_quantization"]
 
 logger = logging.getLogger(__name__)
+
+# The projections whose batched rows take dynamic int8 activations (module docstring).
+_DYNAMIC_INT8 = ("o_proj", "gate_up_proj")
 
 
 @dataclass(slots=True)
@@ -90,8 +102,8 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | Path) -> Quanti
     report = QuantizationReport(mode)
     layers = _linear_layers(model)
     if mode == "int8":
-        for layer in layers.values():
-            layer.use_quantized(quantize_int8(layer.weight))
+        for name, layer in layers.items():
+            layer.use_quantized(_int8(name, layer))
             report.count("int8")
     elif mode == "gguf":
         _serve_gguf_blocks(model, layers, read_blocks(model_dir) or {}, report)
@@ -99,6 +111,12 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | Path) -> Quanti
         _release_freed_memory()
         logger.info("quantization %s: %s", mode, report.layers)
     return report
+
+
+def _int8(name: str, layer: _PackableWeight) -> Int8Weight:
+    """The layer's weight in int8 per channel; dynamic activations where the module docstring
+    says."""
+    return quantize_int8(layer.weight, dynamic=name.rpartition(".")[2] in _DYNAMIC_INT8)
 
 
 def _release_freed_memory() -> None:
@@ -144,7 +162,7 @@ def _serve_gguf_blocks(
         if len(parts) != _parts(layer) or len(kinds) != 1:
             report.count("float")
         elif kinds == {"Q8_0"}:
-            layer.use_quantized(quantize_int8(layer.weight))
+            layer.use_quantized(_int8(name, layer))
             report.count("int8")
         elif _load_int4(layer, parts):
             report.count("int4")

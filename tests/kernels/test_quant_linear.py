@@ -1,19 +1,27 @@
-"""The weight-only int8 and int4 matmuls against float64, and aten's int4 layout convention."""
+"""The int8 (weight-only and dynamic) and int4 matmuls against float64, the compiled
+activation quantization against its torch reference, and aten's int4 layout convention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedserve.kernels.cpu import cpu_ops
 from pagedserve.kernels.quant_linear import (
     GROUP_SIZE,
+    WEIGHT_ONLY_ROWS,
     dequantize_int4_ref,
+    dequantize_int32,
+    dequantize_int32_ref,
     int4_linear,
     int4_linear_ref,
+    int8_dynamic_linear_ref,
     int8_linear,
     int8_linear_ref,
     pack_int4,
     quantize_int8,
+    quantize_rows_int8,
+    quantize_rows_int8_ref,
 )
 
 # bfloat16 activations and output (8 significant bits) against float64: a few 2**-8 of the
@@ -25,9 +33,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_ROWS])
 @pytest.mark.parametrize("shape", [(96, 64), (130, 256)])
-def test_int8_matches_float64(rows, shape) -> None:
+def test_int8_weight_only_matches_float64(rows, shape) -> None:
     g = torch.Generator().manual_seed(rows)
     n, k = shape
     w = torch.randn(n, k, generator=g)
@@ -45,6 +53,57 @@ def test_int8_matches_float64(rows, shape) -> None:
     assert _rel(got, want) <= BF16_REL
     exact = int8_linear(x, q, b, compute_dtype=torch.float32)
     assert _rel(exact, want) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [WEIGHT_ONLY_ROWS + 1, 64])
+@pytest.mark.parametrize("shape", [(96, 64), (130, 256)])
+def test_int8_dynamic_matches_float64(rows, shape, dtype) -> None:
+    # Above WEIGHT_ONLY_ROWS the activations are quantized per row. Against the float64 run of
+    # that arithmetic only the output's rounding separates them (float32: the scales' products;
+    # bf16: 2**-8 of the output); against the unquantized activations, the activation rounding
+    # (half a step of amax / 127 per element, summed over K) stays under BF16_REL.
+    g = torch.Generator().manual_seed(rows)
+    n, k = shape
+    q = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    got = int8_linear(x, q, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert _rel(got, int8_dynamic_linear_ref(x, q, b)) <= (1e-6 if dtype == torch.float32
+                                                            else 2 ** -7)
+    assert _rel(got, int8_linear_ref(x.double(), q, b.double())) <= BF16_REL
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the compiled CPU kernels did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_row_quantization_equals_reference(dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 200, generator=g) * 3).to(dtype)
+    x[0] = 0.0  # an all-zero row: scale from the smallest normal, codes 0
+    x[1, :4] = torch.tensor([127.0, 0.5, -0.5, 1.5])  # amax 127: step 1, ties to even
+    x[2, 7] = float(torch.finfo(dtype).max) / 2  # one outlier flattens its row to 0 and 127
+    q, s = quantize_rows_int8(x)
+    q_ref, s_ref = quantize_rows_int8_ref(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert q[1, :4].tolist() == [127, 0, 0, 2] and not q[0].any()
+    assert int(q.abs().max()) <= 127
+    acc = torch.randint(-2 ** 20, 2 ** 20, (9, 48), generator=g, dtype=torch.int32)
+    cols = torch.rand(48, generator=g)
+    for out in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_int32(acc, s, cols, out),
+                           dequantize_int32_ref(acc, s, cols, out))
+
+
+def test_int8_narrow_input_stays_weight_only() -> None:
+    # _int_mm's sums are wrong at K = 1 in this torch, so narrow layers keep the weight-only
+    # kernel at any row count.
+    g = torch.Generator().manual_seed(1)
+    q = quantize_int8(torch.randn(16, 1, generator=g))
+    x = torch.randn(32, 1, generator=g)
+    got = int8_linear(x, q, compute_dtype=torch.float32)
+    assert _rel(got, int8_linear_ref(x.double(), q)) <= 1e-5
 
 
 def test_int8_takes_leading_dims() -> None:
