@@ -1,4 +1,4 @@
-"""Weight-only quantized matmuls, ``y = x W^T (+ b)`` with W held in int8 or int4.
+"""Quantized matmuls, ``y = x W^T (+ b)`` with W held in int8 or int4.
 
 Two layouts, each on CPU kernels with a pure-torch reference beside it:
 
@@ -10,13 +10,13 @@ Two layouts, each on CPU kernels with a pure-torch reference beside it:
     scale (``quantize_rows_int8``, compiled in ``csrc/quant_cpu.cpp``), the int8 product runs
     through ``torch._int_mm`` (int32 sums, exact), and ``dequantize_int32`` applies the row and
     channel scales. ``_weight_int8pack_mm`` computes one matrix-vector product per row, so at
-    64 rows it is about 10x slower than a bf16 GEMM on this class of CPU, while ``_int_mm``
-    keeps pace with it (``benchmarks/int8_linear.py`` measures them per shape).
-    This is the W8A8 scheme of vLLM's CPU int8 and torchao's dynamic int8: the activation
+    64 rows it is 4-6x slower than oneDNN's bf16 GEMM on an AMX CPU, where the dynamic path
+    runs at 0.6-1.0x of bf16's speed (``benchmarks/int8_linear.py`` measures them per shape).
+    This is the scheme of torchao's ``int8_dynamic_activation_int8_weight``: the activation
     rounding (at most half a step of its row's amax / 127 per element) is the price, measured
     as perplexity in ``docs/results/quantization.md``. The caller says per weight whether it
-    may take that path (``quantize_int8(..., dynamic=)``: the loader keeps the QKV projection
-    weight-only, ``workers/quantize.py`` says why).
+    may take that path (``quantize_int8(..., dynamic=)``: the loader keeps the QKV and down
+    projections weight-only, ``workers/quantize.py`` says why).
 - **int4 in groups of 32 along the input dim** (``pack_int4``), the layout of GGUF's Q4_0 and
   Q4_1 blocks: ``W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g]`` with q in [0, 15] and
   ``g = k // 32``. That is aten's convention (``_weight_int4pack_mm_for_cpu``, weights packed
