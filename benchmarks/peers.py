@@ -226,9 +226,9 @@ def launch(engine: str, args: argparse.Namespace, mdir: Path, wfile: Path, tmp: 
     else:
         py = Path(args.baseline_venv) / "bin" / "python" if engine.startswith("base") else None
         cmd = [str(py or sys.executable), str(Path(__file__).resolve()), "--run-one", engine,
-               "--hf-batch-size", str(args.hf_batch_size)]
+               "--hf-batch-size", str(args.hf_batch_size), "--quantization", args.quantization]
     cmd += ["--model-dir", str(mdir), "--workload", str(wfile), "--result", str(result),
-            "--dtype", args.dtype, "--quantization", args.quantization]
+            "--dtype", args.dtype]
     # A working directory outside the repository: its top-level folders shadow other modules.
     subprocess.run(cmd, cwd=tmp, check=True, stdout=subprocess.DEVNULL if args.quiet else None,
                    env=env)
