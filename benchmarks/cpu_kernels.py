@@ -135,16 +135,19 @@ def _linear_pair(rows: torch.Tensor, weight: torch.Tensor):
             lambda: linear_ref(rows, weight, None))
 
 
-def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
+def time_alternating(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Each call's median time over ``reps`` rounds, the calls alternating within a round so
+    that drift hits all of them; three untimed rounds first."""
     for _ in range(3):
-        a(), b()
-    ta, tb = [], []
+        for f in fns:
+            f()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        for f, acc in ((a, ta), (b, tb)):
+        for f, acc in zip(fns, times, strict=True):
             t0 = time.perf_counter()
             f()
             acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -165,7 +168,7 @@ def main() -> None:
     for name in args.models.split(","):
         for step in STEPS:
             for op, (a, b) in cases(name, step, dtype).items():
-                ta, tb = time_pair(a, b, args.reps)
+                ta, tb = time_alternating([a, b], args.reps)
                 lines.append(f"| {name} | {step} | {op} | {ta * 1e6:.0f} | {tb * 1e6:.0f} | "
                              f"{tb / ta:.2f}x |")
                 print(lines[-1], flush=True)

@@ -7,9 +7,9 @@ runs at bf16), the weight-only int8 kernel (``aten._weight_int8pack_mm``), the d
 (per-row activation quantization, ``torch._int_mm``, the scale epilogue) and ``int8_linear``
 as the engine calls it for a projection that may take dynamic activations (weight-only up to
 ``WEIGHT_ONLY_ROWS`` rows, dynamic above; ``workers/quantize.py`` keeps QKV and down
-weight-only at every row count). The four
-alternate call by call so that drift hits all; each figure is the median of ``--reps`` timed
-calls after a warm-up, in microseconds.
+weight-only at every row count). The four alternate call by call
+(``cpu_kernels.time_alternating``); each figure is the median of ``--reps`` timed calls after a
+warm-up, in microseconds.
 
     python benchmarks/int8_linear.py
     python benchmarks/int8_linear.py --out docs/results/quantization.md
@@ -18,12 +18,11 @@ calls after a warm-up, in microseconds.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from cpu_kernels import time_alternating
 from results_section import write_section
 
 from pagedserve.kernels import quant_linear as ql
@@ -49,19 +48,6 @@ def _calls(x: torch.Tensor, wb: torch.Tensor, packed: torch.Tensor | None,
             lambda: ql.int8_linear(x, w8)]
 
 
-def time_all(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    for _ in range(3):
-        for f in fns:
-            f()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for f, acc in zip(fns, times, strict=True):
-            t0 = time.perf_counter()
-            f()
-            acc.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +68,7 @@ def main() -> None:
         w8 = ql.quantize_int8(wf)
         for rows in ROWS:
             x = torch.randn(rows, k, generator=g).bfloat16()
-            times = time_all(_calls(x, wb, packed, w8), args.reps)
+            times = time_alternating(_calls(x, wb, packed, w8), args.reps)
             flops = 2 * rows * n * k
             cells = [f"{t * 1e6:.0f} ({flops / t / 1e9:.0f})" for t in times]
             lines.append(f"| {name} | {rows} | " + " | ".join(cells)

@@ -160,7 +160,7 @@ def int8_linear(
         y = torch.ops.aten._weight_int8pack_mm(x2.to(compute_dtype), weight.qweight,
                                                weight.scale.to(compute_dtype)).to(x.dtype)
     else:
-        q, row_scale = quantize_rows_int8(x2.contiguous())
+        q, row_scale = quantize_rows_int8(x2)
         acc = torch._int_mm(q, weight.qweight.t())  # [T, out] int32
         y = dequantize_int32(acc, row_scale, weight.col_scale, x.dtype)
     y = y.view(*lead, -1)
