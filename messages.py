@@ -20,6 +20,7 @@ import msgpack
 
 from pagedserve.sampling_params import SamplingParams as SamplingParams  # re-exported
 from pagedserve.sampling_params import SamplingParamsError as SamplingParamsError
+from pagedserve.sampling_params import StructuredOutputsParams as StructuredOutputsParams
 
 # --------------------------------------------------------------------------------------------
 # Sampling parameters and user-facing outputs
@@ -187,6 +188,11 @@ class SchedulerOutput:
     """Speculative tokens to verify, per request that has any: they follow its known tokens
     and count in its ``num_scheduled_tokens``; the worker samples every one of their positions
     (plus the last known token's) and returns the accepted ones. Empty without a drafter."""
+    token_masks: dict[str, bytes] = field(default_factory=dict)
+    """Per request under a structured-output constraint that samples this step, the tokens
+    each of its sampled positions may take (its last known token's, then one per draft): rows
+    of ``W`` little-endian int32 words each (``32 * W >= vocab_size``), bit ``t % 32`` of word
+    ``t // 32`` set when token ``t`` is allowed."""
 
 
 @dataclass(slots=True)
@@ -276,7 +282,7 @@ class StepFrame:
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
-    VERSION = 5
+    VERSION = 6
     HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
     STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
     STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop
@@ -313,6 +319,7 @@ _TAGGED: tuple[type, ...] = (
     EngineStatus,
     CompletionDelta,
     RequestDelta,
+    StructuredOutputsParams,
 )
 _TAG_OF: dict[type, int] = {cls: i + 1 for i, cls in enumerate(_TAGGED)}
 _CLS_OF: dict[int, type] = {i: cls for cls, i in _TAG_OF.items()}

@@ -5,13 +5,17 @@ It crosses process boundaries inside ``messages.py``'s messages (and is re-expor
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import FieldError
 
-__all__ = ["INT32_MAX", "RANGES", "TOKEN_ID", "Range", "SamplingParams", "SamplingParamsError"]
+__all__ = [
+    "INT32_MAX", "RANGES", "TOKEN_ID", "Range", "SamplingParams", "SamplingParamsError",
+    "StructuredOutputsParams",
+]
 
 INT32_MAX = 2**31 - 1
 """The largest count or token id a request may carry: the workers hold token ids in int32
@@ -75,6 +79,56 @@ RANGES: dict[str, Range] = {
 }
 """Every numeric parameter's bounds, by ``SamplingParams`` field name."""
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate, as vLLM's ``StructuredOutputsParams``
+    spells it: exactly one of a JSON Schema (``json``; a dict is kept as its JSON text),
+    any JSON object (``json_object``), a regular expression, a choice among strings, or a
+    grammar (Lark, or GBNF as llama.cpp writes it). The controller compiles it and masks every
+    sampled position to the tokens that keep the output inside it. JSON may carry any
+    whitespace between its tokens, as in vLLM; ``disable_any_whitespace`` allows only
+    ``", "`` and ``": "`` (what a small or sampled model needs to end its object in time)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, list, bool)):
+            # Key order is kept: a schema's property order is the output's.
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs", "exactly one of json, json_object, regex, choice and "
+                f"grammar must be given, got {given or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise SamplingParamsError("structured_outputs", f"{name} must be non-empty text")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise SamplingParamsError("structured_outputs", "choice must be non-empty strings")
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError("structured_outputs", f"{name} must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is given: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar")
+                    if getattr(self, n) is not None)
+
+
 _OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs"})
 
 
@@ -87,7 +141,8 @@ class SamplingParams:
     sampled token's log-probability plus that many top alternatives; ``prompt_logprobs`` asks
     for each prompt token's log-probability given the tokens before it (position 0 has none),
     plus that many top alternatives. ``max_tokens == 0`` computes the prompt and generates
-    nothing (scoring a prompt through its ``prompt_logprobs``).
+    nothing (scoring a prompt through its ``prompt_logprobs``). ``structured_outputs``
+    constrains the output to a schema, a regex, a choice or a grammar.
     """
 
     n: int = 1
@@ -107,6 +162,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -135,6 +191,9 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be a boolean")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -12,17 +12,12 @@ import time
 from collections.abc import Collection
 
 from pagedserve.config import EngineConfig
+from pagedserve.controller.admission import check_admission
 from pagedserve.controller.engine_stats import engine_stats
 from pagedserve.controller.errors import (
     DuplicateRequestError,
-    EmptyPromptError,
     EngineDeadError,
-    InvalidStopTokenError,
-    InvalidTokenError,
-    PromptTooLongError,
     RequestFailedError,
-    RequestTooLargeError,
-    UnsupportedRequestError,
 )
 from pagedserve.controller.executor import Executor, WorkerGroupError
 from pagedserve.controller.kv_plan import plan_kv_cache, resolve_max_model_len
@@ -31,10 +26,10 @@ from pagedserve.controller.rejected import void_rejected
 from pagedserve.controller.request import RequestStatus, request_group, sequence_ids
 from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.controller.scheduler import Scheduler, StepHook
+from pagedserve.controller.structured_output import GrammarGate, grammar_text
 from pagedserve.controller.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from pagedserve.kv import BlockHasher
-from pagedserve.kv.errors import RequestTooLargeError as KVRequestTooLargeError
-from pagedserve.messages import AddRequest, RequestDelta, SamplingParams, SchedulerOutput
+from pagedserve.messages import AddRequest, RequestDelta, SchedulerOutput
 
 __all__ = ["EngineCore"]
 
@@ -87,6 +82,7 @@ class EngineCore:
         self._time_execute = 0.0
         self._kv_integrity_ok = 1
         self._kv_checks = 0
+        self._grammars: GrammarGate | None = None  # made by the first constrained request
 
     def _new_scheduler(self, step_hooks: list[StepHook]) -> Scheduler:
         sched = self.config.scheduler
@@ -113,7 +109,11 @@ class EngineCore:
             i in self.scheduler.requests for i in sequence_ids(rid, params.n)
         ):
             raise DuplicateRequestError(f"request id {rid!r} is already in use")
-        self._validate(ids, params)
+        check_admission(ids, params, vocab_size=self.vocab_size,
+                        max_model_len=self.max_model_len, has_tokenizer=self.tokenizer is not None,
+                        max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv)
+        spec = params.structured_outputs
+        grammar = None if spec is None else grammar_text(spec)
         tok = self.tokenizer
         detokenizer = None if tok is None else (
             lambda p: IncrementalDetokenizer(tok, ids, p.skip_special_tokens)
@@ -122,41 +122,14 @@ class EngineCore:
             rid, ids, params, detokenizer,
             hasher=self.hasher, cache_salt=req.cache_salt, arrival_time=arrival_time,
         )
-        self.scheduler.add_request(head)
         self._groups[rid] = RequestGroup(rid, seqs, head if params.n > 1 else None)
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise EmptyPromptError("the prompt has no tokens")
-        vocab = self.vocab_size
-        for pos, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidTokenError(
-                    f"prompt token {t!r} at position {pos} is outside the vocabulary [0, {vocab})"
-                )
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidStopTokenError(
-                f"stop_token_ids {list(params.stop_token_ids)} reach outside the vocabulary "
-                f"[0, {vocab})"
-            )
-        if len(ids) > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise UnsupportedRequestError("stop strings need a tokenizer; this engine has none")
-        if params.n > self.scheduler.max_num_seqs:
-            raise UnsupportedRequestError(
-                f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}"
-            )
-        # Peak KV slots of one sequence: the last sampled token is never written, and a
-        # sequence stops when it reaches max_model_len.
-        max_out = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        end = min(len(ids) + max_out, self.max_model_len)
-        try:
-            self.kv.check_admissible(max(len(ids), end - 1))
-        except KVRequestTooLargeError as exc:
-            raise RequestTooLargeError(f"the request can never fit in the KV cache: {exc}") from exc
+        if grammar is None:
+            self.scheduler.add_request(head)
+            return
+        if self._grammars is None:
+            assert tok is not None  # admission refused a constraint without a tokenizer
+            self._grammars = GrammarGate(tok, self.vocab_size, self._eos_token_ids)
+        self._grammars.hold(head, seqs, grammar)
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Abort wherever the request is and free its blocks. Returns its final delta
@@ -165,6 +138,8 @@ class EngineCore:
         group = self._groups.pop(request_id, None)
         if group is None:
             return None
+        if self._grammars is not None:
+            self._grammars.drop(request_id)
         self.scheduler.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
         return group.delta()
 
@@ -185,24 +160,26 @@ class EngineCore:
                 return self._on_worker_failure(failure)  # found by the monitor between steps
         elif not self._restart():
             return []
+        deltas = self._admit_compiled() if self._grammars is not None else []
         if not self.scheduler.has_unfinished():
-            return []
+            return deltas
         t0 = time.perf_counter()
         preemptions = self.scheduler.num_preemptions
         sched_out = self.scheduler.schedule()
+        if self._grammars is not None:
+            sched_out.token_masks = self._grammars.step_masks(self.scheduler.requests, sched_out)
         if sched_out.total_num_scheduled_tokens == 0:
             # A step that preempted admits nothing by design; the next one will.
             stalled = self.scheduler.num_preemptions == preemptions
-            return self._no_progress() if stalled else []
+            return deltas + (self._no_progress() if stalled else [])
         t1 = time.perf_counter()
         try:
             runner_out = self.executor.execute(sched_out)
         except WorkerGroupError as exc:
             return self._on_worker_failure(exc)
         t2 = time.perf_counter()
-        deltas: list[RequestDelta] = []
         if runner_out.request_errors:
-            deltas = self._fail_rejected(sched_out, runner_out.request_errors)
+            deltas += self._fail_rejected(sched_out, runner_out.request_errors)
         seen: set[str] = set()
         for req in self.scheduler.update_from_output(sched_out, runner_out):
             gid = req.group_id
@@ -218,6 +195,25 @@ class EngineCore:
         # The controller's share of a step (schedule + bookkeeping) against the workers'.
         self._time_execute += t2 - t1
         self._time_schedule += (t1 - t0) + (time.perf_counter() - t2)
+        return deltas
+
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Schedule the constrained requests whose grammar is compiled (waiting briefly for
+        one when nothing else runs); fail those whose grammar did not compile."""
+        gate = self._grammars
+        assert gate is not None
+        idle = gate.num_held and not self.scheduler.has_unfinished()
+        deltas = []
+        for head, error in gate.release(0.05 if idle else 0.0):
+            group = self._groups.get(head.group_id)
+            if group is None:
+                continue  # aborted or failed while its grammar compiled
+            if error is None:
+                self.scheduler.add_request(head)
+                continue
+            del self._groups[head.group_id]
+            deltas.append(failed_delta(group.request_id, [s.index for s in group.seqs],
+                                       str(error), type(error).__name__))
         return deltas
 
     def _no_progress(self) -> list[RequestDelta]:
@@ -286,6 +282,8 @@ class EngineCore:
             for g in self._groups.values()
         ]
         self._groups.clear()
+        if self._grammars is not None:
+            self._grammars.clear()
         # The workers' batch state and KV contents are gone with them: start from nothing.
         self.kv = self.kv_plan.new_manager()
         self.scheduler = self._new_scheduler(self.scheduler.step_hooks)
@@ -375,4 +373,6 @@ class EngineCore:
         self.scheduler.step_hooks.append(hook)
 
     def shutdown(self) -> None:
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self.executor.shutdown()

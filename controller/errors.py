@@ -15,6 +15,7 @@ __all__ = [
     "EngineDeadError",
     "EngineOverloadedError",
     "EmptyPromptError",
+    "InvalidGrammarError",
     "InvalidTokenError",
     "InvalidStopTokenError",
     "PromptTooLongError",
@@ -46,6 +47,11 @@ class InvalidTokenError(RequestError):
 
 class InvalidStopTokenError(RequestError):
     """A stop token id lies outside ``[0, vocab_size)``: it could never match."""
+
+
+class InvalidGrammarError(RequestError):
+    """The structured-output constraint (a JSON Schema, regex, choice or grammar) does not
+    compile; the message says where."""
 
 
 class DuplicateRequestError(RequestError):
@@ -91,6 +97,7 @@ _BY_CODE: dict[str, type[Exception]] = {
         PromptTooLongError,
         InvalidTokenError,
         InvalidStopTokenError,
+        InvalidGrammarError,
         DuplicateRequestError,
         UnsupportedRequestError,
         RequestTooLargeError,

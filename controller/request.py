@@ -11,12 +11,15 @@ import dataclasses
 import enum
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.controller.stop_strings import StopStrings
 from pagedserve.controller.tokenizer import IncrementalDetokenizer
 from pagedserve.kv.hashing import BlockHasher
 from pagedserve.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.controller.structured_output import SequenceGrammar
 
 __all__ = ["Request", "RequestStatus", "child_seed", "request_group", "sequence_ids"]
 
@@ -79,10 +82,14 @@ class Request:
         if stop_strings is None and sampling_params.stop:
             self.stop_strings = StopStrings(sampling_params.stop)
         self.worker_params = (
-            dataclasses.replace(sampling_params, stop=()) if sampling_params.stop
-            else sampling_params
+            dataclasses.replace(sampling_params, stop=(), structured_outputs=None)
+            if sampling_params.stop or sampling_params.structured_outputs else sampling_params
         )
-        """What the workers get: stop strings are matched here, so they never travel."""
+        """What the workers get: stop strings and grammars are matched here, so they never
+        travel (a grammar reaches the workers as each step's token masks)."""
+        self.grammar: SequenceGrammar | None = None
+        """The structured-output matcher of a sampling sequence under a constraint, attached
+        once its grammar is compiled (``controller.structured_output``)."""
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
@@ -182,6 +189,12 @@ class Request:
         self, token_id: int, eos_token_ids: Collection[int], max_model_len: int
     ) -> None:
         """Append one sampled token, detokenize it and apply the stop conditions."""
+        # The workers sampled under this grammar's mask, so a refusal is a token that never
+        # passed it (a banned stop token left no allowed one): the output ends before it.
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.stop_reason = None
+            self.finish(RequestStatus.FINISHED_STOPPED)
+            return
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
@@ -206,7 +219,9 @@ class Request:
             delta = detok.step([token_id])
             if delta and self.stop_strings and may_stop and self._check_stop_strings(old_len):
                 return
-        if (
+        if self.grammar is not None and self.grammar.stopped and not self.is_finished:
+            self.finish(RequestStatus.FINISHED_STOPPED)  # the constraint is complete
+        elif (
             params.max_tokens is not None and self.num_output_tokens >= params.max_tokens
         ) or self.num_tokens >= max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH_CAPPED)

@@ -24,7 +24,7 @@ from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
-from pagedserve.workers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagedserve.workers.sampler import Sampler, SamplerOutput, SamplingMetadata, unpack_bitmask
 
 PROMPT_LOGITS_BYTES = 1 << 28
 """At most this many bytes of float32 logits at once when scoring a chunk's prompt tokens."""
@@ -153,8 +153,26 @@ class ModelRunner:
         # Sample j of a row sees j more output tokens (its drafts) than the row holds.
         offsets = np.arange(len(flat)) - np.repeat(np.cumsum(n_per_row) - n_per_row, n_per_row)
         expanded = np.repeat(sample_rows, n_per_row)  # [M] batch row of each sample
-        result = self.sampler(logits, self._sampling_metadata(expanded, offsets))
+        md = self._sampling_metadata(expanded, offsets)
+        if so.token_masks:
+            md.allowed = self._allowed(so.token_masks, sample_rows, n_per_row, logits.shape[1])
+        result = self.sampler(logits, md)
         return self._output(out, sample_rows, n_per_row, drafts, result)
+
+    def _allowed(self, masks: dict[str, bytes], sample_rows: np.ndarray, n_per_row: np.ndarray,
+                 vocab_size: int) -> torch.Tensor:
+        """[M, V] bool from the step's grammar masks: each constrained row's 1 + k rows of
+        words in order; the other rows admit every token."""
+        width = (vocab_size + 31) // 32
+        words = np.full((int(n_per_row.sum()), width), -1, dtype=np.int32)
+        at = 0
+        for r, n in zip(sample_rows, n_per_row, strict=True):
+            mask = masks.get(self.batch.req_ids[r])  # type: ignore[arg-type]
+            if mask is not None:
+                rows = np.frombuffer(mask, dtype="<i4").reshape(n, -1)
+                words[at : at + n] = rows[:, :width]  # the grammar's rows may be a word wider
+            at += n
+        return unpack_bitmask(self._to_device(words, torch.int32), vocab_size)
 
     def _prompt_logprobs(
         self,

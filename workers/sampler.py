@@ -1,7 +1,8 @@
 """Batched sampling: penalties, greedy, temperature, min-p, top-k, top-p, seeds, logprobs.
 
-Order per row: raw log-probabilities (the reported logprobs) -> stop tokens masked while a
-request has fewer than ``min_tokens`` outputs -> repetition / presence / frequency penalties ->
+Order per row: raw log-probabilities (the reported logprobs) -> the structured-output mask ->
+stop tokens masked while a request has fewer than ``min_tokens`` outputs (unless that leaves
+the grammar nothing) -> repetition / presence / frequency penalties ->
 greedy argmax, or temperature -> min-p -> top-k -> top-p -> sample. Sampling is an exponential
 race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token), so a seeded request's draw depends only
 on its own generator, which gives it one noise row per sample whatever else shares the batch.
@@ -38,6 +39,9 @@ class SamplingMetadata:
     output_tokens: torch.Tensor | None = None  # [N, Lo] int64, padded with vocab_size
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     """(row, token) pairs that may not be sampled this step: stop tokens before min_tokens."""
+    allowed: torch.Tensor | None = None
+    """[N, V] bool: the tokens each row's grammar admits (rows without one admit all); None
+    when no row is constrained."""
 
     @property
     def all_greedy(self) -> bool:
@@ -49,6 +53,13 @@ class SamplerOutput:
     sampled: torch.Tensor  # [N] int64
     logprob_ids: torch.Tensor | None = None  # [N, 1 + k] int64: sampled, top-1..top-k
     logprobs: torch.Tensor | None = None  # [N, 1 + k] float32
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, W] int32 words (bit ``t % 32`` of word ``t // 32`` for token ``t``) -> [N, V] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]; >> is arithmetic, & 1 keeps one bit
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -107,8 +118,15 @@ class Sampler:
         raw_logprobs = None
         if any(n is not None for n in md.num_logprobs):
             raw_logprobs = logits.log_softmax(-1)
+        if md.allowed is not None:
+            logits = logits.masked_fill(~md.allowed, float("-inf"))
         if md.banned is not None:
+            kept = logits
             logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+            if md.allowed is not None:
+                # A grammar that admits only stop tokens outranks min_tokens.
+                empty = torch.isinf(logits).all(-1, keepdim=True)
+                logits = torch.where(empty, kept, logits)
         logits = apply_penalties(logits, md)
         sampled = logits.argmax(-1)
         if not md.all_greedy:

@@ -9,9 +9,11 @@ import uuid
 from typing import Any
 
 from pagedserve.controller.client import EngineClient
+from pagedserve.controller.errors import InvalidGrammarError
 from pagedserve.messages import SamplingParams, SamplingParamsError
 from pagedserve.serving.chat import ChatError
 from pagedserve.serving.chat import render_chat as render_conversation
+from pagedserve.serving.openai.constraints import constraint_of
 from pagedserve.serving.openai.endpoint import Endpoint
 from pagedserve.serving.openai.engine_run import (
     APIError,
@@ -75,7 +77,8 @@ def _sampling_params(
             400, f"{param} must be at least 1 (0, the prompt alone, needs echo on "
             "/v1/completions)", param=param,
         )
-    kw: dict[str, Any] = {"n": body.n, "max_tokens": max_tokens, "logprobs": logprobs}
+    kw: dict[str, Any] = {"n": body.n, "max_tokens": max_tokens, "logprobs": logprobs,
+                          "structured_outputs": constraint_of(body)[0]}
     if echo and logprobs is not None:
         kw["prompt_logprobs"] = logprobs
     for name in _PASSTHROUGH:
@@ -122,11 +125,15 @@ def _new_run(
     return request_id, EngineRun(ctx, request_id, prompts, params, cache_salt)
 
 
-async def _start(run: EngineRun, prompt_param: str) -> None:
+async def _start(run: EngineRun, prompt_param: str,
+                 body: CompletionRequest | ChatCompletionRequest) -> None:
     try:
         await run.start()
     except APIError:
         raise
+    except InvalidGrammarError as exc:
+        raise APIError(400, str(exc), param=constraint_of(body)[1],
+                       code=type(exc).__name__) from exc
     except Exception as exc:
         raise submit_error(exc, prompt_param) from exc
 
@@ -153,7 +160,7 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> End
         max_model_len=client.max_model_len,
     )
     request_id, run = _new_run(ctx, "cmpl", prompts, params, body.cache_salt)
-    await _start(run, "prompt")
+    await _start(run, "prompt", body)
     return Endpoint(
         chat=False, client=client, run=run, request_id=request_id, model=client.model_name,
         stream=body.stream, include_usage=_include_usage(body), top_n=body.logprobs,
@@ -208,7 +215,7 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
         top_n=top_n, echo=False, max_model_len=client.max_model_len,
     )
     request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body.cache_salt)
-    await _start(run, "messages")
+    await _start(run, "messages", body)
     return Endpoint(
         chat=True, client=client, run=run, request_id=request_id, model=client.model_name,
         stream=body.stream, include_usage=_include_usage(body), top_n=top_n, pool=ctx.pool,

@@ -6,7 +6,9 @@ what is valid) and that every text is valid Unicode (a lone surrogate cannot be 
 would fail deep in the tokenizer or the response). Unknown request fields are ignored, as the
 OpenAI clients send fields this server has no use for. Extensions beyond the OpenAI schema:
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens`` and ``cache_salt`` (a tenant's private prefix cache).
+``stop_token_ids``, ``skip_special_tokens``, ``cache_salt`` (a tenant's private prefix cache),
+and vLLM's ``structured_outputs`` with its older ``guided_json``, ``guided_regex``,
+``guided_choice`` and ``guided_grammar``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,32 @@ class StreamOptions(APIRequest):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(APIRequest):
+    name: str = "response"
+    description: str | None = None
+    # "schema" is a BaseModel attribute name, so the field is aliased.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(APIRequest):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(APIRequest):
+    """vLLM's ``structured_outputs`` extension: exactly one constraint."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingFields(APIRequest):
     """Fields shared by both endpoints that map one to one onto ``SamplingParams``."""
 
@@ -116,6 +144,13 @@ class _SamplingFields(APIRequest):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs' fields
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -123,3 +123,31 @@ def test_logprobs_are_raw_log_softmax():
     assert out.logprob_ids[:, 0].tolist() == out.sampled.tolist()
     assert torch.allclose(out.logprobs, ref.gather(1, out.logprob_ids))
     assert out.logprob_ids[0, 1:].tolist() == ref[0].topk(3).indices.tolist()
+
+
+def test_unpack_bitmask_is_little_endian_bits_of_int32_words():
+    import numpy as np
+
+    from pagedserve.workers.sampler import unpack_bitmask
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(3, 8), dtype=np.uint8)  # 3 rows of 2 words, 64 tokens
+    want = np.unpackbits(raw, axis=1, bitorder="little")[:, :50].astype(bool)
+    words = torch.from_numpy(raw.view(np.int32).copy())  # the sign bit is token 31 / 63
+    assert (unpack_bitmask(words, 50).numpy() == want).all()
+
+
+def test_a_grammar_mask_bounds_greedy_and_sampled_tokens():
+    torch.manual_seed(1)
+    logits = torch.randn(4, V)
+    allowed = torch.zeros(4, V, dtype=torch.bool)
+    allowed[:, 3:7] = True
+    allowed[1] = False
+    allowed[1, 30] = True  # one admitted token, however low its logit
+    logits[1, 30] = -50.0
+    greedy = Sampler(CPU)(logits, md(4, temperature=torch.zeros(4), allowed=allowed)).sampled
+    assert greedy.tolist() == logits.masked_fill(~allowed, -1e9).argmax(-1).tolist()
+    sampler = Sampler(CPU, seed=3)
+    for _ in range(50):
+        drawn = sampler(logits, md(4, temperature=torch.full((4,), 2.0), allowed=allowed)).sampled
+        assert allowed[torch.arange(4), drawn].all()
