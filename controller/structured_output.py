@@ -2,7 +2,7 @@
 token masks a step sends the workers, as bytes (the controller never touches a tensor).
 
 llguidance does the grammar work: it takes JSON Schema, regular expressions, choices, Lark
-and GBNF, needs no other package, and computes a 49k-token mask in about 0.1 ms.
+and GBNF, needs no other package, and computes a mask without walking the whole vocabulary.
 
 A request under a constraint waits here, outside the scheduler, until its grammar is
 compiled, so neither the batch nor the step waits for it. Compiled grammars are cached by
@@ -92,8 +92,8 @@ class GrammarGate:
     """Holds constrained requests until their grammar is compiled, then hands them to the
     scheduler with a matcher per sampling sequence; builds each step's token masks.
 
-    Compilation runs on one background thread. The llguidance tokenizer (about a second to
-    build from a 49k vocabulary) is made there on first use."""
+    Compilation runs on one background thread. The llguidance tokenizer (slow to build from a
+    large vocabulary) is made there on first use."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Collection[int],
                  max_cached: int = 256) -> None:
