@@ -19,7 +19,7 @@ from pagedserve.kv.hashing import BlockHasher
 from pagedserve.messages import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.controller.structured_output import SequenceGrammar
+    from pagedserve.controller.grammar_matcher import SequenceGrammar
 
 __all__ = ["Request", "RequestStatus", "child_seed", "request_group", "sequence_ids"]
 
