@@ -282,7 +282,7 @@ class StepFrame:
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
-    VERSION = 6
+    VERSION = 7
     HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
     STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
     STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop

@@ -13,8 +13,8 @@ from typing import Any
 from pagedserve.config import FieldError
 
 __all__ = [
-    "INT32_MAX", "RANGES", "TOKEN_ID", "Range", "SamplingParams", "SamplingParamsError",
-    "StructuredOutputsParams",
+    "INT32_MAX", "LOGIT_BIAS", "RANGES", "TOKEN_ID", "Range", "SamplingParams",
+    "SamplingParamsError", "StructuredOutputsParams",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -60,6 +60,8 @@ class Range:
 
 TOKEN_ID = Range(0, INT32_MAX, integer=True)
 """Any token id before the vocabulary is known (the engine checks ``< vocab_size``)."""
+LOGIT_BIAS = Range(-100.0, 100.0)
+"""A ``logit_bias`` value's bounds (OpenAI's)."""
 
 RANGES: dict[str, Range] = {
     "n": Range(1, 128, integer=True),
@@ -142,7 +144,11 @@ class SamplingParams:
     for each prompt token's log-probability given the tokens before it (position 0 has none),
     plus that many top alternatives. ``max_tokens == 0`` computes the prompt and generates
     nothing (scoring a prompt through its ``prompt_logprobs``). ``structured_outputs``
-    constrains the output to a schema, a regex, a choice or a grammar.
+    constrains the output to a schema, a regex, a choice or a grammar. ``logit_bias`` adds a
+    bias (in [-100, 100], as OpenAI bounds it) to given tokens' logits before sampling;
+    ``allowed_token_ids`` samples among those tokens only (both leave the reported logprobs
+    raw, as vLLM's default). ``include_stop_str_in_output`` keeps the stop string (or stop
+    token's text) that ended a sequence at the end of its text.
     """
 
     n: int = 1
@@ -163,15 +169,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, one per token; a dict is accepted and frozen in id order."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        # Lists are accepted for convenience and frozen into tuples.
+        # Lists (and the bias's dict) are accepted for convenience and frozen into tuples.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, list):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = sorted(bias.items(), key=lambda kv: (not _is_int(kv[0]), str(kv[0])))
+        if isinstance(bias, (list, tuple)):
+            object.__setattr__(self, "logit_bias", tuple(
+                tuple(pair) if isinstance(pair, (list, tuple)) else pair for pair in bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -194,6 +211,19 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and TOKEN_ID.admits(p[0])
+            and LOGIT_BIAS.admits(p[1]) for p in self.logit_bias
+        ):
+            raise bad("logit_bias", "must map token ids to biases in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise bad("logit_bias", "must give each token one bias")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, tuple) or not allowed
+                                    or not all(TOKEN_ID.admits(t) for t in allowed)):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "must be a boolean")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pagedserve.controller.errors import (
     EmptyPromptError,
-    InvalidStopTokenError,
+    InvalidParamTokenError,
     InvalidTokenError,
     PromptTooLongError,
     RequestTooLargeError,
@@ -22,9 +22,9 @@ def check_admission(
     ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
     has_tokenizer: bool, max_num_seqs: int, kv: KVCacheManager,
 ) -> None:
-    """Refuse an empty, too long or out-of-vocabulary prompt, stop tokens outside the
-    vocabulary, text features without a tokenizer, more samples than seats, and a request the
-    KV cache could never hold."""
+    """Refuse an empty, too long or out-of-vocabulary prompt, stop, biased or allowed tokens
+    outside the vocabulary, text features without a tokenizer, more samples than seats, and a
+    request the KV cache could never hold."""
     if not ids:
         raise EmptyPromptError("the prompt has no tokens")
     for pos, t in enumerate(ids):
@@ -33,11 +33,13 @@ def check_admission(
                 f"prompt token {t!r} at position {pos} is outside the vocabulary "
                 f"[0, {vocab_size})"
             )
-    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
-        raise InvalidStopTokenError(
-            f"stop_token_ids {list(params.stop_token_ids)} reach outside the vocabulary "
-            f"[0, {vocab_size})"
-        )
+    for field, ids_given in (("stop_token_ids", params.stop_token_ids),
+                             ("logit_bias", [t for t, _ in params.logit_bias]),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+        outside = [t for t in ids_given if not 0 <= t < vocab_size]
+        if outside:
+            raise InvalidParamTokenError(
+                f"{field} {outside[:8]} reach outside the vocabulary [0, {vocab_size})")
     if len(ids) > max_model_len:
         raise PromptTooLongError(
             f"the prompt has {len(ids)} tokens, more than max_model_len={max_model_len}"

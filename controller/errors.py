@@ -17,7 +17,7 @@ __all__ = [
     "EmptyPromptError",
     "InvalidGrammarError",
     "InvalidTokenError",
-    "InvalidStopTokenError",
+    "InvalidParamTokenError",
     "PromptTooLongError",
     "RequestError",
     "RequestFailedError",
@@ -45,8 +45,14 @@ class InvalidTokenError(RequestError):
     """A prompt token id lies outside ``[0, vocab_size)``."""
 
 
-class InvalidStopTokenError(RequestError):
-    """A stop token id lies outside ``[0, vocab_size)``: it could never match."""
+class InvalidParamTokenError(RequestError):
+    """A token id of the sampling parameters (``stop_token_ids``, ``logit_bias``,
+    ``allowed_token_ids``) lies outside ``[0, vocab_size)``. The message starts with the
+    field's name (``field_of`` reads it back after the error crossed the wire)."""
+
+    @staticmethod
+    def field_of(message: str) -> str:
+        return message.split(" ", 1)[0]
 
 
 class InvalidGrammarError(RequestError):
@@ -96,7 +102,7 @@ _BY_CODE: dict[str, type[Exception]] = {
         EmptyPromptError,
         PromptTooLongError,
         InvalidTokenError,
-        InvalidStopTokenError,
+        InvalidParamTokenError,
         InvalidGrammarError,
         DuplicateRequestError,
         UnsupportedRequestError,

@@ -210,8 +210,10 @@ class Request:
             self.stop_reason = token_id
         detok = self.detokenizer
         if stopped_on_token:
-            # The stop token itself never reaches the detokenizer, so its text is left out;
-            # finish() still flushes bytes held back before it.
+            # The stop token's text is left out unless asked for (an EOS's stays out while
+            # special tokens are skipped); finish() still flushes bytes held back before it.
+            if detok is not None and params.include_stop_str_in_output:
+                detok.step([token_id])
             self.finish(RequestStatus.FINISHED_STOPPED)
             return
         if detok is not None:
@@ -276,7 +278,8 @@ class Request:
         hit = stops.find(detok.text_from(search_from), detok.text_len - old_len)
         if hit is None:
             return False
-        detok.truncate(search_from + hit[0])
+        kept = len(hit[1]) if self.sampling_params.include_stop_str_in_output else 0
+        detok.truncate(search_from + hit[0] + kept)
         self.stop_reason = hit[1]
         self.status = RequestStatus.FINISHED_STOPPED
         return True

@@ -49,8 +49,8 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_plain(self, text: str) -> list[int]:
         """``text`` as plain text: no added token, special or not, is recognised in it (what

@@ -10,6 +10,7 @@ tokenizer does the work.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,22 @@ def _check_roles(messages: list[dict[str, Any]], template: str | None) -> None:
                             f"template knows ({', '.join(sorted(known))})")
 
 
+def _template_kwargs(tokenizer: Tokenizer, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The caller's template variables; one that would set an argument of
+    ``apply_chat_template`` itself (``tokenize``, ``tools``, ...) is refused by name."""
+    if not kwargs:
+        return {}
+    if not all(isinstance(k, str) for k in kwargs):
+        raise ChatError("chat_template_kwargs must map names to values")
+    params = inspect.signature(tokenizer.hf.apply_chat_template).parameters
+    reserved = sorted(k for k in kwargs if k in params and params[k].kind not in (
+        inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
+    if reserved:
+        raise ChatError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                        "an argument of the template call, not a template variable")
+    return dict(kwargs)
+
+
 def as_conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
     """One conversation (a list of messages) or a list of them, as a list of conversations."""
     if (
@@ -81,12 +98,17 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
+    documents: Sequence[Mapping[str, str]] | None = None,
     allow_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
     """``(prompt text, prompt token ids)`` of a conversation; raises ``ChatError``.
 
-    Control tokens written in the messages' strings (``</s>``, ``<|im_start|>``) are tokenized
-    as plain text; ``allow_special_tokens`` lets them be real tokens, as the text reads."""
+    ``chat_template_kwargs`` are more variables for the template (``enable_thinking``, ...);
+    ``continue_final_message`` leaves the last (assistant) message open for the model to go on
+    with; ``documents`` go to a template that renders them. Control tokens written in any of
+    these strings (``</s>``, ``<|im_start|>``) are tokenized as plain text;
+    ``allow_special_tokens`` lets them be real tokens, as the text reads."""
     messages = _check(conversation)
     if tokenizer is None:
         raise ChatError("chat needs a tokenizer with a chat template, and the model has none")
@@ -94,13 +116,25 @@ def render_chat(
     template = template if isinstance(template, str) else None
     _check_roles(messages, template)
     tokens = () if allow_special_tokens else tokenizer.control_tokens(template)
+    extra = _template_kwargs(tokenizer, chat_template_kwargs)
+    if documents is not None:
+        extra["documents"] = documents
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatError("continue_final_message and add_generation_prompt cannot both be "
+                            "true: the last message is either continued or answered")
+        if messages[-1]["role"] != "assistant":
+            raise ChatError("continue_final_message needs the last message to be the "
+                            "assistant's")
+        extra["continue_final_message"] = True
     try:
         text = tokenizer.hf.apply_chat_template(
             mark(messages, tokens),
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
-            **dict(chat_template_kwargs or {}),
+            # The caller's strings reach the template as the messages' do: marked.
+            **mark(extra, tokens, skip=frozenset()),
         )
     except Exception as exc:  # no template, or a template that rejects these messages
         raise ChatError(f"cannot apply the chat template: {unmark(str(exc), tokens)}") from exc

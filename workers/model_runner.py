@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import NO_CP, CPLayout, copy_blocks
-from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
+from pagedserve.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
@@ -155,7 +155,8 @@ class ModelRunner:
         expanded = np.repeat(sample_rows, n_per_row)  # [M] batch row of each sample
         md = self._sampling_metadata(expanded, offsets)
         if so.token_masks:
-            md.allowed = self._allowed(so.token_masks, sample_rows, n_per_row, logits.shape[1])
+            grammar = self._allowed(so.token_masks, sample_rows, n_per_row, logits.shape[1])
+            md.allowed = grammar if md.allowed is None else md.allowed & grammar
         result = self.sampler(logits, md)
         return self._output(out, sample_rows, n_per_row, drafts, result)
 
@@ -257,6 +258,7 @@ class ModelRunner:
         )
         ends = b.num_tokens[rows] + offsets  # [M] tokens before each sampled one
         md.banned = self._banned_stop_tokens(rows, ends)
+        md.allowed, md.bias = self._token_choices(params)
         if bool(uses_penalties.any()):
             md.repetition_penalty = col["repetition_penalty"]
             md.presence_penalty = col["presence_penalty"]
@@ -264,6 +266,27 @@ class ModelRunner:
             md.prompt_tokens = self._padded(rows, 0, ends)
             md.output_tokens = self._padded(rows, 1, ends)
         return md
+
+    def _token_choices(
+        self, params: list[SamplingParams | None]
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """Each sample's ``allowed_token_ids`` as an [M, V] mask, and its ``logit_bias`` as
+        (sample, token, bias) triples; None where no sample has one."""
+        allowed = bias = None
+        if any(p is not None and p.allowed_token_ids is not None for p in params):
+            mask = np.ones((len(params), self.batch.vocab_size), dtype=bool)
+            for i, p in enumerate(params):
+                if p is not None and p.allowed_token_ids is not None:
+                    mask[i] = False
+                    mask[i, list(p.allowed_token_ids)] = True
+            allowed = self._to_device(mask, torch.bool)
+        triples = [(i, t, v) for i, p in enumerate(params) if p is not None
+                   for t, v in p.logit_bias]
+        if triples:
+            rows_t, toks, values = zip(*triples, strict=True)
+            bias = (self._to_device(np.asarray(rows_t)), self._to_device(np.asarray(toks)),
+                    self._to_device(np.asarray(values), torch.float32))
+        return allowed, bias
 
     def _banned_stop_tokens(
         self, rows: np.ndarray, ends: np.ndarray

@@ -1,11 +1,12 @@
 """Batched sampling: penalties, greedy, temperature, min-p, top-k, top-p, seeds, logprobs.
 
-Order per row: raw log-probabilities (the reported logprobs) -> the structured-output mask ->
-stop tokens masked while a request has fewer than ``min_tokens`` outputs (unless that leaves
-the grammar nothing) -> repetition / presence / frequency penalties ->
-greedy argmax, or temperature -> min-p -> top-k -> top-p -> sample. Sampling is an exponential
-race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token), so a seeded request's draw depends only
-on its own generator, which gives it one noise row per sample whatever else shares the batch.
+Order per row: raw log-probabilities (the reported logprobs) -> the structured-output and
+``allowed_token_ids`` mask -> ``logit_bias`` -> stop tokens masked while a request has fewer
+than ``min_tokens`` outputs (unless that leaves the grammar nothing) -> repetition / presence /
+frequency penalties -> greedy argmax, or temperature -> min-p -> top-k -> top-p -> sample.
+Sampling is an exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token), so a seeded
+request's draw depends only on its own generator, which gives it one noise row per sample
+whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     """(row, token) pairs that may not be sampled this step: stop tokens before min_tokens."""
     allowed: torch.Tensor | None = None
-    """[N, V] bool: the tokens each row's grammar admits (rows without one admit all); None
-    when no row is constrained."""
+    """[N, V] bool: the tokens each row's grammar and ``allowed_token_ids`` admit (rows with
+    neither admit all); None when no row is constrained."""
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """``logit_bias`` as (row [B], token [B], bias [B] float32) triples; None when no row has
+    one."""
 
     @property
     def all_greedy(self) -> bool:
@@ -120,6 +124,8 @@ class Sampler:
             raw_logprobs = logits.log_softmax(-1)
         if md.allowed is not None:
             logits = logits.masked_fill(~md.allowed, float("-inf"))
+        if md.bias is not None:
+            logits = logits.index_put(md.bias[:2], md.bias[2], accumulate=True)
         if md.banned is not None:
             kept = logits
             logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))

@@ -46,6 +46,10 @@ class Endpoint:
     """Top alternatives per token when logprobs were asked for, else None."""
     echo: bool = False
     pool: CpuPool | None = None
+    prompt_top_n: int | None = None
+    """``prompt_logprobs`` asked for: top alternatives per prompt token, else None."""
+    token_ids_as_text: bool = False
+    """``return_tokens_as_token_ids``: logprob entries name tokens ``token_id:<id>``."""
     """Where large answers are built (None: on the caller's thread)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -64,10 +68,11 @@ class Endpoint:
             prefix = self._echo_text(i) if self.echo else ""
             prompt = self._echo_logprobs(i)
             for comp in sub.latest.outputs:
-                choices.append(
-                    self._choice(i, comp, prefix + comp.text, comp.logprobs or [], prompt)
-                )
-        return {
+                choice = self._choice(i, comp, prefix + comp.text, comp.logprobs or [], prompt)
+                if self.prompt_top_n is not None and not self.chat:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(i)
+                choices.append(choice)
+        response = {
             "id": self.request_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -75,6 +80,38 @@ class Endpoint:
             "choices": choices,
             "usage": self._usage(),
         }
+        if self.prompt_top_n is not None and self.chat:  # vLLM's place for it on chat
+            response["prompt_logprobs"] = self._prompt_logprobs(0)
+        return response
+
+    def _prompt_logprobs(self, sub_index: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else ``{token id:
+        {logprob, rank, decoded_token}}`` for the token and its top alternatives. A rank is
+        the place among those alternatives (1 = most likely); the prompt token's own is null
+        when it is not among them."""
+        num = self.prompt_top_n or 0
+        sub = self.run.subs[sub_index]
+        lps = sub.acc.output.prompt_logprobs or []
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for entry in lps:
+            if entry is None:
+                out.append(None)
+                continue
+            token, lp, top = top_entries(entry, num)
+            ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+            shown: dict[str, dict[str, Any]] = {
+                str(token): {"logprob": lp, "rank": ranks.get(token),
+                             "decoded_token": self._text(token)}}
+            for t, v in top:
+                shown.setdefault(str(t), {"logprob": v, "rank": ranks[t],
+                                          "decoded_token": self._text(t)})
+            out.append(shown)
+        return out
+
+    def _text(self, token_id: int) -> str:
+        if self.token_ids_as_text:
+            return f"token_id:{token_id}"
+        return token_text(self.client, token_id)
 
     def _choice(
         self,
@@ -142,11 +179,11 @@ class Endpoint:
             content = []
             for entry in entries:
                 tid, lp, top = top_entries(entry, num)
-                s = token_text(self.client, tid)
+                s = self._text(tid)
                 content.append({
                     "token": s, "logprob": lp, "bytes": list(s.encode()),
                     "top_logprobs": [
-                        {"token": (ts := token_text(self.client, t)), "logprob": v,
+                        {"token": (ts := self._text(t)), "logprob": v,
                          "bytes": list(ts.encode())}
                         for t, v in top
                     ],
@@ -158,14 +195,14 @@ class Endpoint:
         offsets: list[int] = []
         items = [*prompt, *((next(iter(e)), e) for e in entries)]
         for token_id, item in items:
-            s = token_text(self.client, token_id)
+            s = self._text(token_id)
             if item is None:
                 token_logprobs.append(None)
                 tops.append(None)
             else:
                 _, lp, top = top_entries(item, num)
                 token_logprobs.append(lp)
-                tops.append({token_text(self.client, t): v for t, v in top})
+                tops.append({self._text(t): v for t, v in top})
             tokens.append(s)
             offsets.append(text_offset)
             text_offset += len(s)

@@ -24,10 +24,11 @@ from typing import Any
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.errors import (
+    DuplicateRequestError,
     EmptyPromptError,
     EngineDeadError,
     EngineOverloadedError,
-    InvalidStopTokenError,
+    InvalidParamTokenError,
     InvalidTokenError,
     PromptTooLongError,
     RequestError,
@@ -122,15 +123,21 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     """The 400 answer to a body that failed pydantic validation (pydantic's ``errors()``)."""
     if not errors:
         return APIError(400, "invalid request body")
-    # A union reports every branch that did not apply; a failed check (ours) says why.
-    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    # A union reports every branch that did not apply; an unknown field, or a failed check
+    # (ours), says why.
+    first = next((e for e in errors if e.get("type") == "extra_forbidden"),
+                 next((e for e in errors if e.get("type") == "value_error"), errors[0]))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('msg', '')}")
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    message = f"{where}: {first.get('msg', 'invalid value')}{more}"
-    return APIError(400, message, param=loc[0] if loc else None)
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unknown field `{where}`: this server does not take it{more}",
+                        param=where, code="unknown_field")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    code = "unsupported_field" if msg.endswith("is not supported by this server") else None
+    return APIError(400, f"{where}: {msg}{more}", param=loc[0] if loc else None, code=code)
 
 
 class ClientGone(Exception):
@@ -383,10 +390,12 @@ def submit_error(exc: BaseException, prompt_param: str) -> APIError:
         param: str | None = None
         if isinstance(exc, (EmptyPromptError, InvalidTokenError, PromptTooLongError)):
             param = prompt_param
-        elif isinstance(exc, InvalidStopTokenError):
-            param = "stop_token_ids"
+        elif isinstance(exc, InvalidParamTokenError):
+            param = InvalidParamTokenError.field_of(str(exc))
         elif isinstance(exc, RequestTooLargeError):
             param = "max_tokens"
+        elif isinstance(exc, DuplicateRequestError):
+            param = "request_id"
         return APIError(400, str(exc), param=param, code=type(exc).__name__)
     return APIError(400, str(exc))
 

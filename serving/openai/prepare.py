@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from functools import partial
 from typing import Any
 
 from pagedserve.controller.client import EngineClient
@@ -77,10 +78,19 @@ def _sampling_params(
             400, f"{param} must be at least 1 (0, the prompt alone, needs echo on "
             "/v1/completions)", param=param,
         )
-    kw: dict[str, Any] = {"n": body.n, "max_tokens": max_tokens, "logprobs": logprobs,
-                          "structured_outputs": constraint_of(body)[0]}
+    kw: dict[str, Any] = {
+        "n": body.n, "max_tokens": max_tokens, "logprobs": logprobs,
+        "structured_outputs": constraint_of(body)[0], "logit_bias": _logit_bias(body.logit_bias),
+        "allowed_token_ids": body.allowed_token_ids,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+    }
+    if body.prompt_logprobs is not None:
+        if body.stream:
+            raise APIError(400, "prompt_logprobs cannot be streamed: ask without stream",
+                           param="prompt_logprobs")
+        kw["prompt_logprobs"] = body.prompt_logprobs
     if echo and logprobs is not None:
-        kw["prompt_logprobs"] = logprobs
+        kw["prompt_logprobs"] = max(logprobs, kw.get("prompt_logprobs") or 0)
     for name in _PASSTHROUGH:
         value = getattr(body, name)
         if value is not None:
@@ -93,6 +103,34 @@ def _sampling_params(
         return SamplingParams(**kw)
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=names.get(exc.field, exc.field)) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) by token id."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key[:40]!r} is not a token id",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _check_request_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Fields taken by the schema whose values this server cannot honour."""
+    if body.priority != 0:
+        raise APIError(400, "priority other than 0 needs priority scheduling; this server "
+                       "serves first come, first served", param="priority",
+                       code="unsupported_field")
+
+
+def _truncated(prompts: list[Prompt], keep: int | None) -> list[Prompt]:
+    """``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (its text no longer
+    matches them, so it goes)."""
+    if keep is None:
+        return prompts
+    return [p if len(p.token_ids) <= keep else Prompt(None, p.token_ids[-keep:])
+            for p in prompts]
 
 
 def _check_context(
@@ -119,9 +157,9 @@ def _check_context(
 
 def _new_run(
     ctx: ServerContext, prefix: str, prompts: list[Prompt], params: SamplingParams,
-    cache_salt: str | None,
+    cache_salt: str | None, wanted_id: str | None,
 ) -> tuple[str, EngineRun]:
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_id = f"{prefix}-{wanted_id or uuid.uuid4().hex}"
     return request_id, EngineRun(ctx, request_id, prompts, params, cache_salt)
 
 
@@ -145,26 +183,28 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> End
         raise _unsupported("suffix", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise _unsupported("best_of", "best_of other than n")
-    if body.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias")
+    _check_request_fields(body)
     check_stops(ctx.limits, body.stop)
     params = _sampling_params(body, body.max_tokens, body.logprobs, {}, echo=body.echo)
     texts = _prompt_texts(body.prompt)
     check_prompt_chars(ctx.limits, client.max_model_len, map(len, texts or ()), "prompt")
     # Tokenizing a long prompt takes seconds: never on the event loop.
-    prompts = await ctx.pool.run(_completion_prompts, client, body.prompt, texts)
+    prompts = await ctx.pool.run(_completion_prompts, client, body.prompt, texts,
+                                 body.add_special_tokens)
+    prompts = _truncated(prompts, body.truncate_prompt_tokens)
     _check_context(client, prompts, body.max_tokens, "prompt", "max_tokens")
     check_logprob_entries(
         ctx.limits, prompt_lens=[len(p.token_ids) for p in prompts], n=body.n,
         max_tokens=body.max_tokens, top_n=body.logprobs, echo=body.echo,
-        max_model_len=client.max_model_len,
+        max_model_len=client.max_model_len, prompt_top_n=body.prompt_logprobs,
     )
-    request_id, run = _new_run(ctx, "cmpl", prompts, params, body.cache_salt)
+    request_id, run = _new_run(ctx, "cmpl", prompts, params, body.cache_salt, body.request_id)
     await _start(run, "prompt", body)
     return Endpoint(
         chat=False, client=client, run=run, request_id=request_id, model=client.model_name,
         stream=body.stream, include_usage=_include_usage(body), top_n=body.logprobs,
-        echo=body.echo, pool=ctx.pool,
+        echo=body.echo, pool=ctx.pool, prompt_top_n=body.prompt_logprobs,
+        token_ids_as_text=bool(body.return_tokens_as_token_ids),
     )
 
 
@@ -177,11 +217,13 @@ def _prompt_texts(prompt: Any) -> list[str] | None:
     return None
 
 
-def _completion_prompts(client: EngineClient, prompt: Any, texts: list[str] | None) -> list[Prompt]:
+def _completion_prompts(
+    client: EngineClient, prompt: Any, texts: list[str] | None, add_special_tokens: bool,
+) -> list[Prompt]:
     if texts is not None:
         if client.tokenizer is None:
             raise APIError(400, "text prompts need a tokenizer; send token ids", param="prompt")
-        return [Prompt(t, client.tokenizer.encode(t)) for t in texts]
+        return [Prompt(t, client.tokenizer.encode(t, add_special_tokens)) for t in texts]
     if prompt and all(isinstance(p, list) for p in prompt):
         return [Prompt(None, list(p)) for p in prompt]
     return [Prompt(None, list(prompt))]
@@ -190,10 +232,7 @@ def _completion_prompts(client: EngineClient, prompt: Any, texts: list[str] | No
 async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpoint:
     client = ctx.client
     _check_model(client, body.model)
-    if body.tools:
-        raise _unsupported("tools", "tool calling")
-    if body.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias")
+    _check_request_fields(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -207,19 +246,37 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
     check_prompt_chars(ctx.limits, client.max_model_len, [conversation_chars(body.messages)],
                        "messages")
     # The template (Jinja) and the tokenizer run off the event loop.
-    prompt = await ctx.pool.run(render_chat, client, body.messages,
-                                allow_special_tokens=ctx.allow_special_tokens_in_content)
+    prompt = await ctx.pool.run(partial(
+        render_chat, client, body.messages, _add_generation_prompt(body),
+        allow_special_tokens=ctx.allow_special_tokens_in_content,
+        continue_final_message=body.continue_final_message, documents=body.documents,
+        chat_template_kwargs=body.chat_template_kwargs,
+        add_special_tokens=body.add_special_tokens,
+    ))
+    prompt = _truncated([prompt], body.truncate_prompt_tokens)[0]
     _check_context(client, [prompt], max_tokens, "messages", max_param)
     check_logprob_entries(
         ctx.limits, prompt_lens=[len(prompt.token_ids)], n=body.n, max_tokens=max_tokens,
         top_n=top_n, echo=False, max_model_len=client.max_model_len,
+        prompt_top_n=body.prompt_logprobs,
     )
-    request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body.cache_salt)
+    request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body.cache_salt,
+                               body.request_id)
     await _start(run, "messages", body)
     return Endpoint(
         chat=True, client=client, run=run, request_id=request_id, model=client.model_name,
         stream=body.stream, include_usage=_include_usage(body), top_n=top_n, pool=ctx.pool,
+        prompt_top_n=body.prompt_logprobs,
+        token_ids_as_text=bool(body.return_tokens_as_token_ids),
     )
+
+
+def _add_generation_prompt(body: ChatCompletionRequest) -> bool:
+    """vLLM's rule: continuing the final message turns the generation prompt off unless the
+    request set it."""
+    if body.continue_final_message and "add_generation_prompt" not in body.model_fields_set:
+        return False
+    return body.add_generation_prompt
 
 
 def conversation_chars(chat: list[ChatMessage]) -> int:
@@ -229,11 +286,14 @@ def conversation_chars(chat: list[ChatMessage]) -> int:
 
 def render_chat(
     client: EngineClient, chat: list[ChatMessage], add_prompt: bool = True, *,
-    allow_special_tokens: bool = False,
+    allow_special_tokens: bool = False, continue_final_message: bool = False,
+    documents: list[dict[str, str]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
 ) -> Prompt:
     """A conversation through the chat template (``add_prompt``: open the assistant's turn),
     as ``serving.chat.render_chat`` renders it for every caller (control-token text in the
-    messages stays text unless ``allow_special_tokens``; unknown roles refused)."""
+    messages stays text unless ``allow_special_tokens``; unknown roles refused);
+    ``add_special_tokens`` adds the tokenizer's BOS and such on top of the template's."""
     tok = client.tokenizer
     if tok is None:
         raise APIError(400, "chat needs a tokenizer with a chat template", param="messages")
@@ -244,11 +304,18 @@ def render_chat(
             msg["name"] = m.name
         msgs.append(msg)
     try:
-        text, ids = render_conversation(tok, msgs, add_generation_prompt=add_prompt,
-                                        allow_special_tokens=allow_special_tokens)
+        text, ids = render_conversation(
+            tok, msgs, add_generation_prompt=add_prompt,
+            allow_special_tokens=allow_special_tokens,
+            continue_final_message=continue_final_message, documents=documents,
+            chat_template_kwargs=chat_template_kwargs,
+        )
     except ChatError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
-    return Prompt(text, ids)
+        param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else (
+            "continue_final_message" if str(exc).startswith("continue_final_message")
+            else "messages")
+        raise APIError(400, str(exc), param=param) from exc
+    return Prompt(text, tok.with_special_tokens(ids) if add_special_tokens else ids)
 
 
 def warm_chat_template(client: EngineClient) -> None:

@@ -3,12 +3,20 @@
 Requests validate types, every numeric field's range (the bounds are ``SamplingParams``'
 table, ``sampling_params.RANGES``, so the server, the batch API and ``LLM.generate`` agree on
 what is valid) and that every text is valid Unicode (a lone surrogate cannot be encoded, so it
-would fail deep in the tokenizer or the response). Unknown request fields are ignored, as the
-OpenAI clients send fields this server has no use for. Extensions beyond the OpenAI schema:
-``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``cache_salt`` (a tenant's private prefix cache),
-and vLLM's ``structured_outputs`` with its older ``guided_json``, ``guided_regex``,
-``guided_choice`` and ``guided_grammar``.
+would fail deep in the tokenizer or the response).
+
+No field is ignored. An unknown field is a 400 naming it (``extra="forbid"``). The fields of
+OpenAI's and vLLM's request schemas that this server does not implement are declared all the
+same, accepted at their neutral value only (``_only``), so a request that relies on one gets
+a 400 naming it and saying why, and ``/openapi.json`` shows what each one admits. Extensions
+beyond the OpenAI schema, as vLLM spells them: ``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens``,
+``add_special_tokens``, ``allowed_token_ids``, ``return_tokens_as_token_ids``, ``request_id``,
+``priority``, ``cache_salt`` (a tenant's private prefix cache), the chat template's
+``add_generation_prompt``, ``continue_final_message``, ``documents`` and
+``chat_template_kwargs``, and ``structured_outputs`` with its older ``guided_json``,
+``guided_regex``, ``guided_choice`` and ``guided_grammar``.
 """
 
 from __future__ import annotations
@@ -16,9 +24,17 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
-from pagedserve.sampling_params import RANGES, TOKEN_ID, Range
+from pagedserve.sampling_params import INT32_MAX, LOGIT_BIAS, RANGES, TOKEN_ID, Range
 
 __all__ = [
     "APIRequest",
@@ -56,7 +72,22 @@ TopP = _bounded(float, RANGES["top_p"])
 MinP = _bounded(float, RANGES["min_p"])
 Penalty = _bounded(float, RANGES["presence_penalty"])  # presence and frequency alike
 RepetitionPenalty = _bounded(float, RANGES["repetition_penalty"])
-LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's bounds
+LogitBias = _bounded(float, LOGIT_BIAS)
+PromptLogprobs = _bounded(int, RANGES["prompt_logprobs"])
+
+
+def _only(what: str, *neutral: Any) -> Any:
+    """A field this server does not implement, accepted at a ``neutral`` value (or null) only:
+    any other value is a 400 that names the field and says what is missing (``what``)."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
+            raise ValueError(f"{what} is not supported by this server")
+        return value
+
+    shown = " or ".join(repr(n) for n in neutral) if neutral else "null"
+    return Annotated[Any, AfterValidator(check),
+                     Field(description=f"Not supported: only {shown} is accepted.")]
 
 
 def _check_text(value: Any) -> None:
@@ -79,9 +110,10 @@ def _check_text(value: Any) -> None:
 
 
 class APIRequest(BaseModel):
-    """Base of every request body: unknown fields ignored, every text valid Unicode."""
+    """Base of every request body: an unknown field refused by name, every text valid
+    Unicode."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     @field_validator("*", mode="after")
     @classmethod
@@ -92,6 +124,7 @@ class APIRequest(BaseModel):
 
 class StreamOptions(APIRequest):
     include_usage: bool = False
+    continuous_usage_stats: _only("usage in every chunk (continuous_usage_stats)", False) = None
 
 
 class JSONSchemaFormat(APIRequest):
@@ -134,7 +167,13 @@ class _SamplingFields(APIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, LogitBias] | None = None  # refused when not empty, bounded all the same
+    """The end user's id, as OpenAI takes it (for its abuse monitoring): no effect on the
+    answer."""
+    logit_bias: dict[str, LogitBias] | None = None
+    """Token id (as a string) -> a bias added to its logit before sampling."""
+    store: _only("stored completions (store)", False) = None
+    metadata: _only("stored completions' metadata", {}) = None
+    service_tier: _only("service tiers", "auto", "default") = None
     # extensions
     top_k: TopK | None = None
     min_p: MinP | None = None
@@ -143,6 +182,22 @@ class _SamplingFields(APIRequest):
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended a choice at the end of its text."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Each prompt token's logprob and this many top alternatives, in ``prompt_logprobs``."""
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    """Keep only the prompt's last this many tokens."""
+    allowed_token_ids: list[TokenId] | None = None
+    """Sample only among these tokens."""
+    return_tokens_as_token_ids: bool | None = None
+    """Logprob entries name tokens as ``token_id:<id>`` (text that is not valid UTF-8 stays
+    identifiable)."""
+    request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    """The id the answer carries (after its ``cmpl-`` or ``chatcmpl-`` prefix)."""
+    priority: Annotated[StrictInt, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
+    """Lower is served first, under ``--scheduling-policy priority``; any other than 0 is
+    refused under ``fcfs``."""
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -151,6 +206,19 @@ class _SamplingFields(APIRequest):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    # vLLM's fields this server does not implement
+    use_beam_search: _only("beam search", False) = None
+    length_penalty: _only("length_penalty (beam search)", 1.0, 1) = None
+    spaces_between_special_tokens: _only("spaces_between_special_tokens false", True) = None
+    bad_words: _only("bad_words", []) = None
+    logits_processors: _only("custom logits processors") = None
+    guided_decoding_backend: _only("choosing the grammar backend per request") = None
+    guided_whitespace_pattern: _only("guided_whitespace_pattern (see structured_outputs."
+                                     "disable_any_whitespace)") = None
+    structural_tag: _only("structural tags") = None
+    kv_transfer_params: _only("KV transfer (disaggregated serving)") = None
+    vllm_xargs: _only("vllm_xargs (custom extensions)") = None
+    mm_processor_kwargs: _only("multimodal inputs") = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -162,6 +230,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: N | None = None
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS, ...) around a text prompt."""
+    prompt_embeds: _only("prompt embeddings") = None
 
 
 class TextPart(APIRequest):
@@ -173,6 +244,11 @@ class ChatMessage(APIRequest):
     role: str
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: _only("tool calls in messages", []) = None
+    tool_call_id: _only("tool messages (tool_call_id)") = None
+    refusal: _only("an assistant refusal in the history") = None
+    function_call: _only("function_call (deprecated; tool calling)") = None
+    audio: _only("audio") = None
 
     def text(self) -> str:
         if self.content is None:
@@ -191,7 +267,29 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: _only("tool calling (tools)", []) = None
+    tool_choice: _only("tool calling (tool_choice)", "none", "auto") = None
+    parallel_tool_calls: _only("tool calling (parallel_tool_calls)", True, False) = None
+    reasoning_effort: _only("reasoning_effort") = None
+    include_reasoning: _only("a reasoning channel (--reasoning-parser)", True) = None
+    echo: _only("echo on chat", False) = None
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens (BOS, ...) on top of what the template writes."""
+    add_generation_prompt: bool = True
+    """Open the assistant's turn after the messages (the template's switch)."""
+    continue_final_message: bool = False
+    """Leave the last message open for the model to continue (an assistant prefill)."""
+    documents: list[dict[str, str]] | None = None
+    """Documents for a template that renders them (retrieval-augmented generation)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template (``enable_thinking``, ...)."""
+    chat_template: _only("a chat template per request") = None
+    modalities: _only("output modalities other than text", ["text"]) = None
+    prediction: _only("predicted outputs") = None
+    web_search_options: _only("web search") = None
+    functions: _only("functions (deprecated; tool calling)") = None
+    function_call: _only("function_call (deprecated; tool calling)") = None
+    audio: _only("audio output") = None
 
 
 # ------------------------------------------------------------------------------- responses

@@ -58,19 +58,27 @@ def check_logprob_entries(
     top_n: int | None,
     echo: bool,
     max_model_len: int,
+    prompt_top_n: int | None = None,
 ) -> None:
     """The answer's logprob entries within the limit: per prompt and choice, (the echoed
-    prompt's tokens + the tokens generated at most) x (the sampled one + ``top_n``)."""
+    prompt's tokens + the tokens generated at most) x (the sampled one + ``top_n``), and the
+    prompt's tokens x (1 + ``prompt_top_n``) for ``prompt_logprobs`` (counted per choice, as a
+    completion's answer repeats them in each)."""
     limit = limits.max_logprob_entries
-    if limit is None or top_n is None:
+    if limit is None or (top_n is None and prompt_top_n is None):
         return
     total = 0
     for plen in prompt_lens:
         generated = max_tokens if max_tokens is not None else max(0, max_model_len - plen)
-        total += n * ((plen if echo else 0) + generated) * (1 + top_n)
+        if top_n is not None:
+            total += n * ((plen if echo else 0) + generated) * (1 + top_n)
+        if prompt_top_n is not None:
+            total += n * plen * (1 + prompt_top_n)
     if total > limit:
+        param = "logprobs" if top_n is not None else "prompt_logprobs"
         raise _too_large(
             f"this request asks for up to {total} logprob entries (prompts x n x (echoed "
-            f"prompt tokens + max_tokens) x (1 + logprobs)), more than {limit}; lower n, "
-            "logprobs or max_tokens", "logprobs", "max-logprob-entries",
+            f"prompt tokens + max_tokens) x (1 + logprobs), and prompt tokens x (1 + "
+            f"prompt_logprobs)), more than {limit}; lower n, logprobs, prompt_logprobs or "
+            "max_tokens", param, "max-logprob-entries",
         )

@@ -114,7 +114,7 @@ def test_an_out_of_range_integer_is_a_400_and_costs_nobody_anything(env, path, f
 def test_stop_token_ids_outside_the_vocabulary_are_a_400(env) -> None:
     vocab = env.client.vocab_size
     err = _error(env.http.post(COMPLETIONS, json={"prompt": "hi", "stop_token_ids": [vocab]}), 400)
-    assert err["param"] == "stop_token_ids" and err["code"] == "InvalidStopTokenError"
+    assert err["param"] == "stop_token_ids" and err["code"] == "InvalidParamTokenError"
 
 
 # --------------------------------------------------------------------- #8: lone surrogates
