@@ -145,12 +145,26 @@ def test_unregistered_objects_are_not_encoded() -> None:
         ({"prompt_logprobs": True}, "prompt_logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"max_tokens": "10"}, "max_tokens"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -1]}, "allowed_token_ids"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ],
 )
 def test_sampling_params_name_the_bad_field(kwargs: dict, field: str) -> None:
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**kwargs)
     assert info.value.field == field
+
+
+def test_token_choices_are_frozen_and_cross_the_wire() -> None:
+    p = SamplingParams(logit_bias={9: -2.0, 3: 1.5}, allowed_token_ids=[4, 3, 9],
+                       include_stop_str_in_output=True)
+    assert p.logit_bias == ((3, 1.5), (9, -2.0)) and p.allowed_token_ids == (4, 3, 9)
+    assert decode(encode(p)) == p
 
 
 def test_sampling_params_error_survives_pickling() -> None:

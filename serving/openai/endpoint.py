@@ -50,6 +50,9 @@ class Endpoint:
     """``prompt_logprobs`` asked for: top alternatives per prompt token, else None."""
     token_ids_as_text: bool = False
     """``return_tokens_as_token_ids``: logprob entries name tokens ``token_id:<id>``."""
+    return_token_ids: bool = False
+    """The prompt's and each choice's token ids go in the answer (vLLM's
+    ``return_token_ids``)."""
     """Where large answers are built (None: on the caller's thread)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -71,6 +74,10 @@ class Endpoint:
                 choice = self._choice(i, comp, prefix + comp.text, comp.logprobs or [], prompt)
                 if self.prompt_top_n is not None and not self.chat:
                     choice["prompt_logprobs"] = self._prompt_logprobs(i)
+                if self.return_token_ids:
+                    if not self.chat:
+                        choice["prompt_token_ids"] = list(sub.prompt.token_ids)
+                    choice["token_ids"] = list(comp.token_ids)
                 choices.append(choice)
         response = {
             "id": self.request_id,
@@ -80,8 +87,11 @@ class Endpoint:
             "choices": choices,
             "usage": self._usage(),
         }
-        if self.prompt_top_n is not None and self.chat:  # vLLM's place for it on chat
-            response["prompt_logprobs"] = self._prompt_logprobs(0)
+        if self.chat:  # vLLM's place for these on chat: one prompt, the answer's top level
+            if self.prompt_top_n is not None:
+                response["prompt_logprobs"] = self._prompt_logprobs(0)
+            if self.return_token_ids:
+                response["prompt_token_ids"] = list(self.run.subs[0].prompt.token_ids)
         return response
 
     def _prompt_logprobs(self, sub_index: int) -> list[dict[str, dict[str, Any]] | None]:
@@ -223,7 +233,9 @@ class Endpoint:
                      "logprobs": None, "finish_reason": None}
                     for i in range(len(self.run.subs)) for j in range(n)
                 ]
-                yield self._event(obj, first)
+                prompt_ids = (list(self.run.subs[0].prompt.token_ids)
+                              if self.return_token_ids else None)
+                yield self._event(obj, first, prompt_token_ids=prompt_ids)
             async for _ in self.run.updates():
                 merged = [self._merged(i) for i in range(len(self.run.subs))]
                 if self.pool is not None and self._entries(merged, states) > _OFF_LOOP_ENTRIES:
@@ -282,9 +294,11 @@ class Endpoint:
             # (complete by now: the first token is sampled after the whole prompt).
             text = self._echo_text(sub_index) + text
             prompt = self._echo_logprobs(sub_index)
+        first = not sent.started
         sent.started = True
         entries = d.logprobs or []
-        if not text and not entries and not prompt and not finished:
+        ids = d.token_ids if self.return_token_ids else []
+        if not text and not entries and not prompt and not finished and not ids:
             return None
         sent.finished = finished
         choice: dict[str, Any] = {"index": sub_index * self.run.params.n + d.index}
@@ -299,15 +313,22 @@ class Endpoint:
         choice["logprobs"] = logprobs
         choice["finish_reason"] = d.finish_reason
         choice["stop_reason"] = d.stop_reason
+        if self.return_token_ids:
+            if first and not self.chat:
+                choice["prompt_token_ids"] = list(self.run.subs[sub_index].prompt.token_ids)
+            choice["token_ids"] = list(ids)
         return choice
 
     def _event(
-        self, obj: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
+        self, obj: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> str:
         chunk: dict[str, Any] = {
             "id": self.request_id, "object": obj, "created": self.created,
             "model": self.model, "choices": choices,
         }
+        if prompt_token_ids is not None:
+            chunk["prompt_token_ids"] = prompt_token_ids
         if self.include_usage:
             chunk["usage"] = usage
         return _sse(chunk)

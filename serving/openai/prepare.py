@@ -32,8 +32,8 @@ from pagedserve.serving.openai.request_checks import (
 )
 
 __all__ = [
-    "check_model_name", "conversation_chars", "prepare_chat", "prepare_completion", "render_chat",
-    "warm_chat_template",
+    "add_generation_prompt", "check_model_name", "conversation_chars", "prepare_chat",
+    "prepare_completion", "render_chat", "warm_chat_template",
 ]
 
 # Request fields passed to SamplingParams unchanged when present.
@@ -59,7 +59,8 @@ def _check_model(client: EngineClient, model: str | None) -> None:
 
 
 def _unsupported(param: str, what: str) -> APIError:
-    return APIError(400, f"{what} is not supported by this server", param=param)
+    return APIError(400, f"{what} is not supported by this server", param=param,
+                    code="unsupported_field")
 
 
 def _sampling_params(
@@ -118,10 +119,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 def _check_request_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Fields taken by the schema whose values this server cannot honour."""
+    if isinstance(body, CompletionRequest) and body.suffix:
+        raise _unsupported("suffix", "suffix (fill in the middle)")
+    if body.best_of is not None and body.best_of != body.n:
+        raise _unsupported("best_of", "best_of other than n")
     if body.priority != 0:
-        raise APIError(400, "priority other than 0 needs priority scheduling; this server "
-                       "serves first come, first served", param="priority",
-                       code="unsupported_field")
+        raise _unsupported("priority", "priority other than 0 (this server schedules first "
+                           "come, first served)")
 
 
 def _truncated(prompts: list[Prompt], keep: int | None) -> list[Prompt]:
@@ -179,10 +183,6 @@ async def _start(run: EngineRun, prompt_param: str,
 async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> Endpoint:
     client = ctx.client
     _check_model(client, body.model)
-    if body.suffix:
-        raise _unsupported("suffix", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise _unsupported("best_of", "best_of other than n")
     _check_request_fields(body)
     check_stops(ctx.limits, body.stop)
     params = _sampling_params(body, body.max_tokens, body.logprobs, {}, echo=body.echo)
@@ -205,6 +205,7 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> End
         stream=body.stream, include_usage=_include_usage(body), top_n=body.logprobs,
         echo=body.echo, pool=ctx.pool, prompt_top_n=body.prompt_logprobs,
         token_ids_as_text=bool(body.return_tokens_as_token_ids),
+        return_token_ids=bool(body.return_token_ids),
     )
 
 
@@ -247,7 +248,7 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
                        "messages")
     # The template (Jinja) and the tokenizer run off the event loop.
     prompt = await ctx.pool.run(partial(
-        render_chat, client, body.messages, _add_generation_prompt(body),
+        render_chat, client, body.messages, add_generation_prompt(body),
         allow_special_tokens=ctx.allow_special_tokens_in_content,
         continue_final_message=body.continue_final_message, documents=body.documents,
         chat_template_kwargs=body.chat_template_kwargs,
@@ -268,12 +269,13 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
         stream=body.stream, include_usage=_include_usage(body), top_n=top_n, pool=ctx.pool,
         prompt_top_n=body.prompt_logprobs,
         token_ids_as_text=bool(body.return_tokens_as_token_ids),
+        return_token_ids=bool(body.return_token_ids),
     )
 
 
-def _add_generation_prompt(body: ChatCompletionRequest) -> bool:
-    """vLLM's rule: continuing the final message turns the generation prompt off unless the
-    request set it."""
+def add_generation_prompt(body: ChatCompletionRequest | Any) -> bool:
+    """A chat body's (or ``/tokenize``'s) ``add_generation_prompt``, by vLLM's rule: continuing
+    the final message turns it off unless the request set it."""
     if body.continue_final_message and "add_generation_prompt" not in body.model_fields_set:
         return False
     return body.add_generation_prompt

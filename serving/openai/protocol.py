@@ -5,15 +5,17 @@ table, ``sampling_params.RANGES``, so the server, the batch API and ``LLM.genera
 what is valid) and that every text is valid Unicode (a lone surrogate cannot be encoded, so it
 would fail deep in the tokenizer or the response).
 
-No field is ignored. An unknown field is a 400 naming it (``extra="forbid"``). The fields of
-OpenAI's and vLLM's request schemas that this server does not implement are declared all the
-same, accepted at their neutral value only (``_only``), so a request that relies on one gets
-a 400 naming it and saying why, and ``/openapi.json`` shows what each one admits. Extensions
-beyond the OpenAI schema, as vLLM spells them: ``top_k``, ``min_p``, ``min_tokens``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``, ``prompt_logprobs``, ``truncate_prompt_tokens``,
-``add_special_tokens``, ``allowed_token_ids``, ``return_tokens_as_token_ids``, ``request_id``,
-``priority``, ``cache_salt`` (a tenant's private prefix cache), the chat template's
+No field is silently dropped. An unknown field is a 400 naming it (``extra="forbid"``). The
+fields of OpenAI's and vLLM's request schemas that this server does not implement are declared
+all the same, accepted at their neutral value only (``_only``), so a request that relies on one
+gets a 400 naming it and saying why, and ``/openapi.json`` shows what each one admits. Only
+``user``, ``safety_identifier`` and ``prompt_cache_key`` are taken without effect: hints about
+the caller, which OpenAI itself does not let change an answer. Extensions beyond the OpenAI
+schema, as vLLM spells them: ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``prompt_logprobs``, ``truncate_prompt_tokens``, ``add_special_tokens``, ``allowed_token_ids``,
+``return_tokens_as_token_ids``, ``return_token_ids``, ``request_id``, ``priority``,
+``cache_salt`` (a tenant's private prefix cache), the chat template's
 ``add_generation_prompt``, ``continue_final_message``, ``documents`` and
 ``chat_template_kwargs``, and ``structured_outputs`` with its older ``guided_json``,
 ``guided_regex``, ``guided_choice`` and ``guided_grammar``.
@@ -166,9 +168,16 @@ class _SamplingFields(APIRequest):
     frequency_penalty: Penalty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    best_of: N | None = None
+    """Only equal to ``n`` (no candidates are ranked)."""
     user: str | None = None
     """The end user's id, as OpenAI takes it (for its abuse monitoring): no effect on the
     answer."""
+    safety_identifier: str | None = None
+    """OpenAI's successor to ``user``: no effect on the answer."""
+    prompt_cache_key: str | None = None
+    """OpenAI's prompt-cache routing hint: no effect here, as every prompt's prefix is cached
+    (``cache_salt`` keeps a tenant's apart)."""
     logit_bias: dict[str, LogitBias] | None = None
     """Token id (as a string) -> a bias added to its logit before sampling."""
     store: _only("stored completions (store)", False) = None
@@ -193,6 +202,9 @@ class _SamplingFields(APIRequest):
     return_tokens_as_token_ids: bool | None = None
     """Logprob entries name tokens as ``token_id:<id>`` (text that is not valid UTF-8 stays
     identifiable)."""
+    return_token_ids: bool | None = None
+    """The prompt's and each choice's token ids in the answer (``prompt_token_ids``,
+    ``token_ids``), streamed too."""
     request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     """The id the answer carries (after its ``cmpl-`` or ``chatcmpl-`` prefix)."""
     priority: Annotated[StrictInt, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
@@ -229,7 +241,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: N | None = None
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS, ...) around a text prompt."""
     prompt_embeds: _only("prompt embeddings") = None
@@ -290,6 +301,7 @@ class ChatCompletionRequest(_SamplingFields):
     functions: _only("functions (deprecated; tool calling)") = None
     function_call: _only("function_call (deprecated; tool calling)") = None
     audio: _only("audio output") = None
+    verbosity: _only("verbosity") = None
 
 
 # ------------------------------------------------------------------------------- responses

@@ -1,9 +1,10 @@
 """``POST /tokenize`` and ``POST /detokenize``, in the shape vLLM's server answers them.
 
 ``/tokenize`` takes ``{"prompt": str, "add_special_tokens"?: bool}`` (the ids
-``/v1/completions`` would compute; special tokens are added by default) or ``{"messages": [...],
-"add_generation_prompt"?: bool}`` (rendered through the chat template as
-``/v1/chat/completions`` renders it; the template writes its own special tokens, so none are
+``/v1/completions`` would compute; special tokens are added by default) or ``{"messages": [...]}``
+with the chat request's template fields (``add_generation_prompt``, ``continue_final_message``,
+``documents``, ``chat_template_kwargs``), rendered through the chat template as
+``/v1/chat/completions`` renders it (the template writes its own special tokens, so none are
 added by default), with ``"return_token_strs": true`` for the token strings too. It answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``. ``/detokenize`` takes
 ``{"tokens": [...]}`` and answers ``{"prompt": str}``; an id outside the vocabulary is a 400.
@@ -21,7 +22,12 @@ from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.serving.openai.engine_run import APIError, ServerContext
 from pagedserve.serving.openai.json_turns import JSONInTurns
-from pagedserve.serving.openai.prepare import check_model_name, conversation_chars, render_chat
+from pagedserve.serving.openai.prepare import (
+    add_generation_prompt,
+    check_model_name,
+    conversation_chars,
+    render_chat,
+)
 from pagedserve.serving.openai.protocol import ERROR_RESPONSES, APIRequest, ChatMessage, TokenId
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.request_checks import check_prompt_chars
@@ -36,6 +42,9 @@ class TokenizeRequest(APIRequest):
     add_special_tokens: bool | None = None
     """Default: True for a prompt, False for messages (the chat template has them)."""
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -64,11 +73,13 @@ def tokenize(
         assert body.messages is not None
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        rendered = render_chat(client, body.messages, body.add_generation_prompt,
-                               allow_special_tokens=allow_special_tokens)
-        ids = rendered.token_ids
-        if body.add_special_tokens:  # around the ids: encoding the text again would read
-            ids = tok.with_special_tokens(ids)  # the messages' control-token text as tokens
+        ids = render_chat(
+            client, body.messages, add_generation_prompt(body),
+            allow_special_tokens=allow_special_tokens,
+            continue_final_message=body.continue_final_message, documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=bool(body.add_special_tokens),
+        ).token_ids
     strs = [str(s) for s in tok.hf.convert_ids_to_tokens(ids)] if body.return_token_strs else None
     return {
         "count": len(ids), "max_model_len": client.max_model_len, "tokens": ids,

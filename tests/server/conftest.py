@@ -59,10 +59,29 @@ def _running(app: Any) -> Iterator[str]:
         sock.close()
 
 
+@contextlib.contextmanager
+def _openai(model_dir: Path, **options: Any) -> Iterator[SimpleNamespace]:
+    """An engine on ``model_dir`` behind a real server, with an ``openai`` client for it:
+    ``client``, ``oai``, ``model`` (its name) and ``url``."""
+    from openai import OpenAI
+
+    from pagedserve.serving.openai.server import build_app
+
+    client = _start_client(model_dir, **options)
+    try:
+        with _running(build_app(client)) as url:
+            oai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            yield SimpleNamespace(client=client, oai=oai, model=client.model_name, url=url)
+            oai.close()
+    finally:
+        client.shutdown()
+
+
 @pytest.fixture(scope="session")
 def srv() -> SimpleNamespace:
     """Helpers (test modules cannot import conftest under importlib mode)."""
-    return SimpleNamespace(start_client=_start_client, running=_running, wait_until=wait_until)
+    return SimpleNamespace(start_client=_start_client, running=_running, wait_until=wait_until,
+                           openai=_openai)
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:

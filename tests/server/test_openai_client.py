@@ -9,8 +9,6 @@ from types import SimpleNamespace
 import httpx2 as httpx
 import pytest
 
-from pagedserve.serving.openai.server import build_app
-
 PROMPT = "The quick brown fox jumps over the lazy dog."
 CHAT = [
     {"role": "system", "content": "You are a helpful robot."},
@@ -20,16 +18,8 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def env(llama_dir, srv) -> Iterator[SimpleNamespace]:
-    from openai import OpenAI
-
-    client = srv.start_client(llama_dir)
-    try:
-        with srv.running(build_app(client)) as url:
-            oai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-            yield SimpleNamespace(client=client, oai=oai, model=client.model_name, url=url)
-            oai.close()
-    finally:
-        client.shutdown()
+    with srv.openai(llama_dir) as e:
+        yield e
 
 
 def _prompt_len(env, text: str) -> int:

@@ -119,8 +119,8 @@ def test_every_numeric_field_is_found() -> None:
     shared = {"n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
               "top_k", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids",
               "logit_bias", "max_tokens", "prompt_logprobs", "truncate_prompt_tokens",
-              "allowed_token_ids", "priority"}
-    assert names["/v1/completions"] == shared | {"prompt", "logprobs", "best_of"}
+              "allowed_token_ids", "priority", "best_of"}
+    assert names["/v1/completions"] == shared | {"prompt", "logprobs"}
     assert names["/v1/chat/completions"] == shared | {"max_completion_tokens", "top_logprobs"}
 
 

@@ -13,8 +13,6 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from pagedserve.serving.openai.server import build_app
-
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "ok": {"type": "boolean"}},
           "required": ["n", "ok"], "additionalProperties": False}
@@ -23,16 +21,8 @@ CHAT = [{"role": "user", "content": "Give me a record."}]
 
 @pytest.fixture(scope="module")
 def env(llama_dir, srv) -> Iterator[SimpleNamespace]:
-    from openai import OpenAI
-
-    client = srv.start_client(llama_dir)
-    try:
-        with srv.running(build_app(client)) as url:
-            oai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-            yield SimpleNamespace(client=client, oai=oai, model=client.model_name)
-            oai.close()
-    finally:
-        client.shutdown()
+    with srv.openai(llama_dir) as e:
+        yield e
 
 
 def test_response_format_json_schema_chat(env) -> None:

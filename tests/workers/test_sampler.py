@@ -151,3 +151,24 @@ def test_a_grammar_mask_bounds_greedy_and_sampled_tokens():
     for _ in range(50):
         drawn = sampler(logits, md(4, temperature=torch.full((4,), 2.0), allowed=allowed)).sampled
         assert allowed[torch.arange(4), drawn].all()
+
+
+def test_logit_bias_adds_to_the_logits_after_the_mask_and_leaves_logprobs_raw():
+    torch.manual_seed(2)
+    logits = torch.randn(3, V)
+    rows, toks = torch.tensor([0, 1, 1]), torch.tensor([7, 7, 2])
+    values = torch.tensor([100.0, -100.0, 100.0])
+    greedy = md(3, temperature=torch.zeros(3), num_logprobs=[0, 0, 0])
+    greedy.bias = (rows, toks, values)
+    out = Sampler(CPU)(logits, greedy)
+    want = logits.double().clone()
+    want[rows, toks] += values.double()  # float64 reference
+    assert out.sampled.tolist() == want.argmax(-1).tolist() == [7, 2, int(logits[2].argmax())]
+    raw = logits.double().log_softmax(-1)
+    assert torch.allclose(out.logprobs[:, 0].double(), raw[torch.arange(3), out.sampled],
+                          atol=1e-5)
+    # A biased token the mask forbids stays forbidden.
+    allowed = torch.ones(3, V, dtype=torch.bool)
+    allowed[0, 7] = False
+    greedy.allowed = allowed
+    assert Sampler(CPU)(logits, greedy).sampled[0] != 7
