@@ -7,6 +7,7 @@ to ``run_serve(args)``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -15,7 +16,10 @@ from typing import Any
 from pagedserve.serving.cli.engine_args import add_engine_arguments, engine_options
 from pagedserve.serving.cli.limit_args import add_limit_arguments, limits_from_args
 
-__all__ = ["API_KEY_ENV", "add_serve_parser", "api_key", "engine_options", "run_serve"]
+__all__ = [
+    "API_KEY_ENV", "add_serve_parser", "allowed_origins", "api_key", "engine_options",
+    "run_serve",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="let control-token text in chat messages (such as </s>) become real "
                         "tokens; by default it is tokenized as plain text, so that only the "
                         "chat template writes control tokens")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="origins whose browser pages may call the server (CORS): a comma "
+                        "list, or a JSON list as vLLM takes it; '*' for any (default: none)")
     p.add_argument("--batch-dir", default=None,
                    help="where the Batch API keeps its files and batches (default: "
                         "$XDG_CACHE_HOME/pagedserve/batches, ~/.cache without it); unfinished "
@@ -57,6 +64,21 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_limit_arguments(p)
     add_engine_arguments(p)
     return p
+
+
+def allowed_origins(value: str | None) -> list[str]:
+    """``--allowed-origins``: ``a,b`` or ``["a", "b"]``; raises ``ValueError`` on a bad list."""
+    if value is None or not value.strip():
+        return []
+    if value.lstrip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--allowed-origins is not a JSON list: {exc}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError("--allowed-origins must list strings")
+        return origins
+    return [o.strip() for o in value.split(",") if o.strip()]
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -94,6 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         limits = limits_from_args(args)
         key = api_key(args)
+        origins = allowed_origins(args.allowed_origins)
     except ValueError as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2
@@ -111,7 +134,8 @@ def run_serve(args: argparse.Namespace) -> int:
         serve(config, args.host, args.port, key, backend=args.backend,
               log_level=args.log_level, batch_dir=args.batch_dir or default_batch_dir(),
               batch_max_in_flight=args.batch_max_in_flight, limits=limits,
-              allow_special_tokens_in_content=args.allow_special_tokens_in_content)
+              allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+              allowed_origins=origins)
     except KeyboardInterrupt:
         pass
     return 0

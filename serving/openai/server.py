@@ -4,11 +4,12 @@
 starts an engine and runs the app under uvicorn until interrupted. Routes:
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 server-sent-event streaming), ``POST /tokenize`` and ``/detokenize`` (``tokenize_routes``),
-the Batch API when a batch directory is given (``serving.batch_api``), ``GET /health`` and
-``GET /metrics`` (Prometheus). With an API key every route but ``/health`` needs
-``Authorization: Bearer <key>``. Every error answers with the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``; a 500 says only "internal error" and the
-request id, which every answer carries in ``X-Request-Id`` (``request_ids``).
+the Batch API when a batch directory is given (``serving.batch_api``), ``GET /health``,
+``GET /version`` and ``GET /metrics`` (Prometheus). With an API key every route but ``/health``
+needs ``Authorization: Bearer <key>``. With allowed origins, browsers on those origins may call
+it (CORS, preflight answered before the key is checked). Every error answers with the OpenAI
+error body ``{"error": {"message", "type", "param", "code"}}``; a 500 says only "internal
+error" and the request id, which every answer carries in ``X-Request-Id`` (``request_ids``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import asyncio
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -60,6 +64,10 @@ __all__ = ["build_app", "serve"]
 logger = logging.getLogger(__name__)
 
 UNPROTECTED_PATHS = frozenset({"/health"})
+try:
+    _VERSION = package_version("pagedserve")
+except PackageNotFoundError:  # run from a checkout that was never installed
+    _VERSION = "unknown"
 
 
 class _EngineStream(StreamingResponse):
@@ -111,6 +119,7 @@ def build_app(
     batch_max_in_flight: int = 4,
     limits: ServerLimits | None = None,
     allow_special_tokens_in_content: bool = False,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The ASGI app serving ``client``. Metrics live in a registry owned by this app.
 
@@ -119,7 +128,8 @@ def build_app(
     stops it (``serve`` does). ``limits`` (None: the defaults) bound what one request may
     cost; ``app.state.context.pool.close()`` stops its CPU threads (``serve`` does).
     Control-token text in chat messages (``</s>``) is tokenized as text unless
-    ``allow_special_tokens_in_content``.
+    ``allow_special_tokens_in_content``. ``allowed_origins`` (``*`` for any) may call it
+    from a browser.
     """
     limits = ServerLimits() if limits is None else limits
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
@@ -169,6 +179,11 @@ def build_app(
                     ))
             return await call_next(request)
 
+    # Outside the key check: a browser's preflight carries no key.
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id"])
     # Outermost, so that every answer carries the id (401s too) and any exception is caught.
     app.add_middleware(RequestIdMiddleware)
 
@@ -196,6 +211,10 @@ def build_app(
         # stats() of a remote engine is a round trip: keep it off the event loop.
         body = await asyncio.to_thread(metrics.render)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _VERSION}
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict[str, Any]:
@@ -270,6 +289,7 @@ def serve(
     batch_max_in_flight: int = 4,
     limits: ServerLimits | None = None,
     allow_special_tokens_in_content: bool = False,
+    allowed_origins: Sequence[str] = (),
 ) -> None:
     """Start an engine for ``config`` and serve it until interrupted, then shut it down.
 
@@ -288,7 +308,8 @@ def serve(
     try:
         app = build_app(client, api_key=api_key, batch_dir=batch_dir,
                         batch_max_in_flight=batch_max_in_flight, limits=limits,
-                        allow_special_tokens_in_content=allow_special_tokens_in_content)
+                        allow_special_tokens_in_content=allow_special_tokens_in_content,
+                        allowed_origins=allowed_origins)
         logger.info("serving %s on http://%s:%d", client.model_name, host, port)
         server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port,
                                                log_level=log_level))
