@@ -18,6 +18,7 @@ from typing import Any
 
 ALLOCATION_POLICIES = ("paged", "reserve")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
@@ -206,12 +207,16 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     """``recompute`` frees a preempted request's blocks and computes them again on resume;
     ``swap`` copies them to the host tier and back (recompute when the tier is full)."""
+    scheduling_policy: str = "fcfs"
+    """``fcfs``: first come, first served; ``priority``: by each request's ``priority`` (lower
+    first), then arrival, and the KV cache's victim is the lowest-priority request running."""
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_pending_requests", self.max_pending_requests, 1)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
 
 
 @dataclass(frozen=True, slots=True)

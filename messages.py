@@ -231,6 +231,8 @@ class AddRequest:
     params: SamplingParams
     prompt: str | None = None
     cache_salt: str | None = None
+    priority: int = 0
+    """Under the ``priority`` scheduling policy, lower is served first."""
 
 
 @dataclass(slots=True)

@@ -20,11 +20,16 @@ __all__ = ["check_admission"]
 
 def check_admission(
     ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-    has_tokenizer: bool, max_num_seqs: int, kv: KVCacheManager,
+    has_tokenizer: bool, max_num_seqs: int, kv: KVCacheManager, priority: int = 0,
+    policy: str = "fcfs",
 ) -> None:
     """Refuse an empty, too long or out-of-vocabulary prompt, stop, biased or allowed tokens
     outside the vocabulary, text features without a tokenizer, more samples than seats, and a
-    request the KV cache could never hold."""
+    request the KV cache could never hold, and a priority the scheduling policy ignores."""
+    if priority != 0 and policy != "priority":
+        raise UnsupportedRequestError(
+            f"priority {priority} needs the priority scheduling policy (--scheduling-policy "
+            f"priority); this engine's is {policy}")
     if not ids:
         raise EmptyPromptError("the prompt has no tokens")
     for pos, t in enumerate(ids):

@@ -94,6 +94,7 @@ class EngineCore:
             eos_token_ids=self._eos_token_ids,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             preemption_mode=sched.preemption_mode,
+            policy=sched.scheduling_policy,
         )
         scheduler.step_hooks = step_hooks
         return scheduler
@@ -111,7 +112,8 @@ class EngineCore:
             raise DuplicateRequestError(f"request id {rid!r} is already in use")
         check_admission(ids, params, vocab_size=self.vocab_size,
                         max_model_len=self.max_model_len, has_tokenizer=self.tokenizer is not None,
-                        max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv)
+                        max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv,
+                        priority=req.priority, policy=self.scheduler.policy)
         spec = params.structured_outputs
         grammar = None if spec is None else grammar_text(spec)
         tok = self.tokenizer
@@ -121,6 +123,7 @@ class EngineCore:
         head, seqs = request_group(
             rid, ids, params, detokenizer,
             hasher=self.hasher, cache_salt=req.cache_salt, arrival_time=arrival_time,
+            priority=req.priority,
         )
         self._groups[rid] = RequestGroup(rid, seqs, head if params.n > 1 else None)
         if grammar is None:

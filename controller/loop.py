@@ -19,6 +19,7 @@ Request ids are namespaced per connection, so two clients may use the same ids.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -184,9 +185,7 @@ class EngineLoop:
     def _add(self, conn: Connection, msg: AddRequest) -> None:
         key = self._key(conn, msg.request_id)
         try:
-            self.engine.add_request(
-                AddRequest(key, msg.prompt_token_ids, msg.params, msg.prompt, msg.cache_salt)
-            )
+            self.engine.add_request(dataclasses.replace(msg, request_id=key))
         except (RequestError, ValueError) as exc:
             self._batch(conn).results.append(_refusal(msg, exc, key))
             return

@@ -68,6 +68,7 @@ class Request:
         hasher: BlockHasher | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
         detokenizer: IncrementalDetokenizer | None = None,
         group_id: str | None = None,
         index: int = 0,
@@ -92,6 +93,7 @@ class Request:
         once its grammar is compiled (``controller.structured_output``)."""
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -318,8 +320,8 @@ def request_group(
     With ``n == 1`` the head is the only sequence. With ``n > 1`` the head is a fork parent that
     computes the shared prompt once and never samples; its children ``id#i`` each produce
     completion ``i`` with its own seed (``child_seed``). ``detokenizer`` makes a sampling
-    sequence's detokenizer; ``request_args`` (hasher, cache salt, arrival time) go to every
-    ``Request``.
+    sequence's detokenizer; ``request_args`` (hasher, cache salt, arrival time, priority) go to
+    every ``Request``.
     """
     ids = list(prompt_token_ids)
     stops = StopStrings(params.stop) if params.stop else None  # once for all n sequences

@@ -9,6 +9,11 @@ over, usually finding most of them in the prefix cache) or, with ``preemption_mo
 by swapping its blocks to the host tier and back when it resumes (recompute when the host tier
 is full).
 
+The order is a policy. ``fcfs``: the waiting queue in arrival order (a preempted request back at
+its head), running requests in admission order, the newest preempted first. ``priority``: both
+kept sorted by (``priority``, arrival), so the most urgent request is admitted first and the
+KV cache's victim is always the least urgent running one.
+
 Parallel sampling (``n > 1``) forks: a *fork parent* computes the prompt minus its last token,
 then ``n`` children share all its blocks (kv's copy-on-write ``fork``). Each child computes the
 last prompt token itself, so the first write into the shared partial block copies it, and then
@@ -20,7 +25,7 @@ Under the ``reserve`` policy the parent is skipped and the children run as indep
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -40,6 +45,11 @@ BATCHED_TOKENS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192
 StepHook = Callable[["Scheduler", SchedulerOutput], None]
 """Called after every ``schedule()``, when the step's blocks are allocated but not yet freed
 (the moment to take ``kv.block_fill_snapshot()``)."""
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    """A request's place under the ``priority`` policy: lower first."""
+    return req.priority, req.arrival_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +99,13 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
         num_lookahead_tokens: int = 0,
+        policy: str = "fcfs",
     ) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}")
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
+        self.policy = policy
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -129,7 +143,26 @@ class Scheduler:
             # forking would only share empty reservations. Start the children directly.
             self._dissolve_parent(request, at_front=False)
         else:
-            self.waiting.append(request)
+            self._enqueue(request, front=False)
+
+    def _enqueue(self, req: Request, *, front: bool) -> None:
+        """Into the waiting queue: at its head or tail (``fcfs``), or in its (priority,
+        arrival) place (``priority``; ``front`` puts it before requests of equal rank)."""
+        if self.policy == "fcfs":
+            (self.waiting.appendleft if front else self.waiting.append)(req)
+            return
+        keys = [_rank(r) for r in self.waiting]
+        at = (bisect_left if front else bisect_right)(keys, _rank(req))
+        self.waiting.insert(at, req)
+
+    def _start_running(self, req: Request) -> None:
+        """Into the running list: last (``fcfs``: admission order), or in its (priority,
+        arrival) place, so that the end of the list is always the least urgent."""
+        if self.policy == "fcfs":
+            self.running.append(req)
+        else:
+            keys = [_rank(r) for r in self.running]
+            self.running.insert(bisect_right(keys, _rank(req)), req)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (usually abort) requests wherever they are; frees their blocks. Unknown or
@@ -180,7 +213,7 @@ class Scheduler:
         scheduled: list[Request] = []
         preempted = False
 
-        # 1. Running requests, in admission order. A victim is always popped from the end, so
+        # 1. Running requests, in the policy's order. A victim is always popped from the end, so
         # it is never one that was already scheduled this step.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -266,7 +299,7 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.popleft()
-            self.running.append(req)
+            self._start_running(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit
             if req.num_cached_tokens < 0:
@@ -296,7 +329,7 @@ class Scheduler:
         if blocks is None:
             return False
         self.waiting.popleft()
-        self.running.append(req)
+        self._start_running(req)
         req.status = RequestStatus.RUNNING
         scheduled.append(req)
         num_scheduled[req.request_id] = n
@@ -317,17 +350,15 @@ class Scheduler:
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
             req.num_sent_tokens = 0
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.num_preemptions += 1
 
     def _dissolve_parent(self, parent: Request, *, at_front: bool) -> None:
         """Replace an unadmitted fork parent by its children in the waiting queue."""
         self.requests.pop(parent.request_id, None)
         parent.status = RequestStatus.FINISHED_STOPPED
-        if at_front:
-            self.waiting.extendleft(reversed(parent.children))
-        else:
-            self.waiting.extend(parent.children)
+        for child in reversed(parent.children) if at_front else parent.children:
+            self._enqueue(child, front=at_front)
         parent.children = []
 
     # ------------------------------------------------------------------ update

@@ -12,6 +12,7 @@ from pagedserve.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
 )
 
 
@@ -52,6 +53,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     eng.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
                      help="recompute: a preempted request starts over; swap: its blocks move "
                           "to the host tier and back (recompute when the tier is full)")
+    eng.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                     help="fcfs (default): first come, first served; priority: each "
+                          "request's priority (lower first), then arrival, preempting the "
+                          "lowest-priority request first")
     eng.add_argument("--no-kv-offload", action="store_true",
                      help="with a host tier, do not keep evicted prefix blocks there")
     eng.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -84,6 +89,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "host_kv_cache_bytes": _gib_to_bytes(args.swap_space),
         "num_host_blocks": args.num_host_blocks,
         "preemption_mode": args.preemption_mode,
+        "scheduling_policy": args.scheduling_policy,
         "kv_offload": not args.no_kv_offload,
         "tensor_parallel_size": args.tp,
         "decode_context_parallel_size": args.dcp,

@@ -34,6 +34,7 @@ from pagedserve.controller.errors import (
     RequestError,
     RequestFailedError,
     RequestTooLargeError,
+    UnsupportedRequestError,
 )
 from pagedserve.controller.outputs import OutputAccumulator
 from pagedserve.messages import AddRequest, RequestDelta, RequestOutput, SamplingParams
@@ -220,8 +221,10 @@ class EngineRun:
         prompts: list[Prompt],
         params: SamplingParams,
         cache_salt: str | None,
+        priority: int = 0,
     ) -> None:
         self.client = ctx.client
+        self.priority = priority
         self.metrics = ctx.metrics
         self.params = params
         self.cache_salt = cache_salt
@@ -242,7 +245,7 @@ class EngineRun:
             for i, sub in enumerate(self.subs):
                 sub.submitted = True  # before the call: aborting an unknown id is harmless
                 req = AddRequest(sub.request_id, sub.prompt.token_ids, self.params,
-                                 sub.prompt.text, self.cache_salt)
+                                 sub.prompt.text, self.cache_salt, self.priority)
                 # The verdict comes as a future: awaited here, no thread waits for it.
                 fut = self.client.submit(req, partial(self._from_engine, loop, i))
                 try:
@@ -396,6 +399,8 @@ def submit_error(exc: BaseException, prompt_param: str) -> APIError:
             param = "max_tokens"
         elif isinstance(exc, DuplicateRequestError):
             param = "request_id"
+        elif isinstance(exc, UnsupportedRequestError) and str(exc).startswith("priority "):
+            param = "priority"
         return APIError(400, str(exc), param=param, code=type(exc).__name__)
     return APIError(400, str(exc))
 

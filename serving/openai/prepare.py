@@ -123,9 +123,6 @@ def _check_request_fields(body: CompletionRequest | ChatCompletionRequest) -> No
         raise _unsupported("suffix", "suffix (fill in the middle)")
     if body.best_of is not None and body.best_of != body.n:
         raise _unsupported("best_of", "best_of other than n")
-    if body.priority != 0:
-        raise _unsupported("priority", "priority other than 0 (this server schedules first "
-                           "come, first served)")
 
 
 def _truncated(prompts: list[Prompt], keep: int | None) -> list[Prompt]:
@@ -161,10 +158,11 @@ def _check_context(
 
 def _new_run(
     ctx: ServerContext, prefix: str, prompts: list[Prompt], params: SamplingParams,
-    cache_salt: str | None, wanted_id: str | None,
+    body: CompletionRequest | ChatCompletionRequest,
 ) -> tuple[str, EngineRun]:
-    request_id = f"{prefix}-{wanted_id or uuid.uuid4().hex}"
-    return request_id, EngineRun(ctx, request_id, prompts, params, cache_salt)
+    request_id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
+    return request_id, EngineRun(ctx, request_id, prompts, params, body.cache_salt,
+                                 body.priority)
 
 
 async def _start(run: EngineRun, prompt_param: str,
@@ -198,7 +196,7 @@ async def prepare_completion(ctx: ServerContext, body: CompletionRequest) -> End
         max_tokens=body.max_tokens, top_n=body.logprobs, echo=body.echo,
         max_model_len=client.max_model_len, prompt_top_n=body.prompt_logprobs,
     )
-    request_id, run = _new_run(ctx, "cmpl", prompts, params, body.cache_salt, body.request_id)
+    request_id, run = _new_run(ctx, "cmpl", prompts, params, body)
     await _start(run, "prompt", body)
     return Endpoint(
         chat=False, client=client, run=run, request_id=request_id, model=client.model_name,
@@ -261,8 +259,7 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
         top_n=top_n, echo=False, max_model_len=client.max_model_len,
         prompt_top_n=body.prompt_logprobs,
     )
-    request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body.cache_salt,
-                               body.request_id)
+    request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body)
     await _start(run, "messages", body)
     return Endpoint(
         chat=True, client=client, run=run, request_id=request_id, model=client.model_name,

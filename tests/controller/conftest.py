@@ -29,9 +29,11 @@ def make_engine(
     num_host_blocks: int | None = None,
     preemption_mode: str = "recompute",
     kv_offload: bool = True,
+    scheduling_policy: str = "fcfs",
     **kwargs: Any,
 ) -> EngineCore:
     cfg = from_flat(
+        scheduling_policy=scheduling_policy,
         num_host_blocks=num_host_blocks,
         preemption_mode=preemption_mode,
         kv_offload=kv_offload,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 from pagedserve.controller.request import RequestStatus
 from pagedserve.messages import SamplingParams
 
@@ -58,6 +60,45 @@ def test_one_chunked_prefill_and_several_decodes_in_one_step(kit):
     # The decodes sampled; the partial prefill did not.
     assert sorted(o.request_id for o in outs) == ["d0", "d1", "d2"]
     assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
+
+
+def test_priority_policy_admits_the_most_urgent_first_and_preempts_the_least(kit):
+    eng = kit.make_engine(max_num_seqs=2, scheduling_policy="priority")
+    # Arrival order a, b, c, d; priority (lower first) 5, 1, 1, 0: d, then b before c.
+    for i, (rid, prio) in enumerate([("a", 5), ("b", 1), ("c", 1), ("d", 0)]):
+        eng.add_request(rid, prompt(10 * i, 5), GREEDY, arrival_time=float(i), priority=prio)
+    eng.step()
+    assert list(last_out(eng).num_scheduled_tokens) == ["d", "b"]
+    assert [r.request_id for r in eng.scheduler.waiting] == ["c", "a"]
+    assert len(kit.run(eng)) == 4
+    kit.assert_idle(eng)
+
+    # Under KV pressure the victim is the least urgent running request, not the newest.
+    eng = kit.make_engine(num_gpu_blocks=9, max_num_batched_tokens=64,
+                          scheduling_policy="priority")
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eng.add_request("low", prompt(0, 8), long, arrival_time=0.0, priority=9)
+    eng.add_request("high", prompt(300, 8), long, arrival_time=1.0, priority=0)
+    victims = []
+    while eng.has_unfinished():
+        running = [r.request_id for r in eng.scheduler.running]
+        before = eng.stats()["num_preemptions"]
+        eng.step()
+        if eng.stats()["num_preemptions"] > before:
+            victims += [rid for rid in running
+                        if rid not in [r.request_id for r in eng.scheduler.running]]
+    assert victims and set(victims) == {"low"}
+    kit.assert_idle(eng)
+
+
+def test_priority_needs_the_priority_policy(kit):
+    from pagedserve.controller.errors import UnsupportedRequestError
+
+    eng = kit.make_engine()
+    with pytest.raises(UnsupportedRequestError, match="priority 3 needs"):
+        eng.add_request("x", prompt(0, 4), GREEDY, priority=3)
+    eng.add_request("y", prompt(0, 4), GREEDY, priority=0)
+    assert len(kit.run(eng)) == 1
 
 
 def test_no_prefill_phase_flag_in_controller():

@@ -1,8 +1,9 @@
 """``Driven``: an ``EngineCore`` as tests like to drive it, step by step with cumulative outputs.
 
-``add_request(id, prompt_ids, params, prompt=..., cache_salt=...)`` builds the ``AddRequest``;
-``step()`` and ``abort_request()`` fold the engine's deltas into cumulative ``RequestOutput``s
-through the package's own ``OutputCollector``. Everything else is the engine's.
+``add_request(id, prompt_ids, params, prompt=..., cache_salt=..., priority=...)`` builds the
+``AddRequest``; ``step()`` and ``abort_request()`` fold the engine's deltas into cumulative
+``RequestOutput``s through the package's own ``OutputCollector``. Everything else is the
+engine's.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ class Driven:
         prompt: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         req = AddRequest(request_id, list(prompt_token_ids), params or SamplingParams(), prompt,
-                         cache_salt)
+                         cache_salt, priority)
         self.core.add_request(req, arrival_time)
         self.collector.expect(req)
 

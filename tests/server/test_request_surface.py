@@ -349,3 +349,9 @@ def test_chat_template_kwargs_and_documents_reach_the_template(persona_env) -> N
     assert eos not in sneaky["tokens"]
     err = _error(_post(env, CHAT, {"chat_template_kwargs": {"tokenize": True}}))
     assert err["param"] == "chat_template_kwargs" and "tokenize" in err["message"]
+
+
+def test_priority_is_refused_by_name_under_first_come_first_served(env) -> None:
+    for path in (COMPLETIONS, CHAT):
+        err = _error(_post(env, path, {"priority": -1}))
+        assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
