@@ -1,15 +1,35 @@
-"""The engine core's stats snapshot: one flat dict for ``/metrics``, ``llm.stats()`` and the
-benchmarks."""
+"""The scheduler's counters and the engine core's stats snapshot: one flat dict for
+``/metrics``, ``llm.stats()`` and the benchmarks."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
-from pagedserve.controller.scheduler import SchedulerStats
 from pagedserve.kv import KVCacheManager
 from pagedserve.kv.host_tier import HostTierStats
 
-__all__ = ["engine_stats"]
+__all__ = ["BATCHED_TOKENS_BUCKETS", "SchedulerStats", "engine_stats"]
+
+BATCHED_TOKENS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
+                          512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 16384)
+"""Upper bounds (inclusive) of the tokens-per-step histogram; one more bucket holds the rest."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    num_swapped: int = 0
+    """Preempted requests waiting with their blocks in the host tier."""
+    batched_tokens_counts: tuple[int, ...] = ()
+    """Steps that scheduled tokens, per ``BATCHED_TOKENS_BUCKETS`` bucket (+ the overflow)."""
+    batched_tokens_sum: int = 0
 
 
 def engine_stats(

@@ -9,10 +9,7 @@ over, usually finding most of them in the prefix cache) or, with ``preemption_mo
 by swapping its blocks to the host tier and back when it resumes (recompute when the host tier
 is full).
 
-The order is a policy. ``fcfs``: the waiting queue in arrival order (a preempted request back at
-its head), running requests in admission order, the newest preempted first. ``priority``: both
-kept sorted by (``priority``, arrival), so the most urgent request is admitted first and the
-KV cache's victim is always the least urgent running one.
+The order is a policy (``request_order``): ``fcfs`` or ``priority``.
 
 Parallel sampling (``n > 1``) forks: a *fork parent* computes the prompt minus its last token,
 then ``n`` children share all its blocks (kv's copy-on-write ``fork``). Each child computes the
@@ -25,47 +22,24 @@ Under the ``reserve`` policy the parent is skipped and the children run as indep
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.config import SCHEDULING_POLICIES
+from pagedserve.controller.engine_stats import BATCHED_TOKENS_BUCKETS, SchedulerStats
 from pagedserve.controller.request import Request, RequestStatus
+from pagedserve.controller.request_order import enqueue, start_running
 from pagedserve.controller.step_output import build_output
 from pagedserve.kv import KVCacheBlocks, KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 
-__all__ = ["BATCHED_TOKENS_BUCKETS", "Scheduler", "SchedulerStats", "StepHook"]
-
-BATCHED_TOKENS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
-                          512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 16384)
-"""Upper bounds (inclusive) of the tokens-per-step histogram; one more bucket holds the rest."""
+__all__ = ["Scheduler", "StepHook"]
 
 StepHook = Callable[["Scheduler", SchedulerOutput], None]
 """Called after every ``schedule()``, when the step's blocks are allocated but not yet freed
 (the moment to take ``kv.block_fill_snapshot()``)."""
-
-
-def _rank(req: Request) -> tuple[int, float]:
-    """A request's place under the ``priority`` policy: lower first."""
-    return req.priority, req.arrival_time
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    num_swapped: int = 0
-    """Preempted requests waiting with their blocks in the host tier."""
-    batched_tokens_counts: tuple[int, ...] = ()
-    """Steps that scheduled tokens, per ``BATCHED_TOKENS_BUCKETS`` bucket (+ the overflow)."""
-    batched_tokens_sum: int = 0
 
 
 def _fit_chunk(
@@ -103,7 +77,7 @@ class Scheduler:
     ) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}")
-        if policy not in ("fcfs", "priority"):
+        if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.policy = policy
         self.kv = kv
@@ -143,26 +117,7 @@ class Scheduler:
             # forking would only share empty reservations. Start the children directly.
             self._dissolve_parent(request, at_front=False)
         else:
-            self._enqueue(request, front=False)
-
-    def _enqueue(self, req: Request, *, front: bool) -> None:
-        """Into the waiting queue: at its head or tail (``fcfs``), or in its (priority,
-        arrival) place (``priority``; ``front`` puts it before requests of equal rank)."""
-        if self.policy == "fcfs":
-            (self.waiting.appendleft if front else self.waiting.append)(req)
-            return
-        keys = [_rank(r) for r in self.waiting]
-        at = (bisect_left if front else bisect_right)(keys, _rank(req))
-        self.waiting.insert(at, req)
-
-    def _start_running(self, req: Request) -> None:
-        """Into the running list: last (``fcfs``: admission order), or in its (priority,
-        arrival) place, so that the end of the list is always the least urgent."""
-        if self.policy == "fcfs":
-            self.running.append(req)
-        else:
-            keys = [_rank(r) for r in self.running]
-            self.running.insert(bisect_right(keys, _rank(req)), req)
+            enqueue(self.waiting, request, self.policy, front=False)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (usually abort) requests wherever they are; frees their blocks. Unknown or
@@ -299,7 +254,7 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.popleft()
-            self._start_running(req)
+            start_running(self.running, req, self.policy)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit
             if req.num_cached_tokens < 0:
@@ -329,7 +284,7 @@ class Scheduler:
         if blocks is None:
             return False
         self.waiting.popleft()
-        self._start_running(req)
+        start_running(self.running, req, self.policy)
         req.status = RequestStatus.RUNNING
         scheduled.append(req)
         num_scheduled[req.request_id] = n
@@ -350,7 +305,7 @@ class Scheduler:
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
             req.num_sent_tokens = 0
-        self._enqueue(req, front=True)
+        enqueue(self.waiting, req, self.policy, front=True)
         self.num_preemptions += 1
 
     def _dissolve_parent(self, parent: Request, *, at_front: bool) -> None:
@@ -358,7 +313,7 @@ class Scheduler:
         self.requests.pop(parent.request_id, None)
         parent.status = RequestStatus.FINISHED_STOPPED
         for child in reversed(parent.children) if at_front else parent.children:
-            self._enqueue(child, front=at_front)
+            enqueue(self.waiting, child, self.policy, front=at_front)
         parent.children = []
 
     # ------------------------------------------------------------------ update

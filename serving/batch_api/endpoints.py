@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagedserve.serving.openai.engine_run import APIError, ServerContext, validation_error
+from pagedserve.serving.openai.api_errors import APIError, validation_error
+from pagedserve.serving.openai.engine_run import ServerContext
 from pagedserve.serving.openai.prepare import prepare_chat, prepare_completion
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 

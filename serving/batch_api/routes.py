@@ -23,7 +23,7 @@ from pagedserve.serving.batch_api.records import BATCH_ENDPOINTS
 from pagedserve.serving.batch_api.runner import BatchRunner
 from pagedserve.serving.batch_api.store import TERMINAL
 from pagedserve.serving.batch_api.upload import FILE_FIELD, receive_upload
-from pagedserve.serving.openai.engine_run import APIError
+from pagedserve.serving.openai.api_errors import APIError
 
 __all__ = ["MAX_UPLOAD_BYTES", "CreateBatchRequest", "batch_router"]
 

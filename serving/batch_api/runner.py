@@ -45,7 +45,8 @@ from pagedserve.serving.batch_api.endpoints import answer_line
 from pagedserve.serving.batch_api.records import LineTracker, input_lines, parse_line, record
 from pagedserve.serving.batch_api.store import BatchStore, RecordFile, batch_progress
 from pagedserve.serving.batch_api.supervisor import LoopThread
-from pagedserve.serving.openai.engine_run import APIError, ServerContext
+from pagedserve.serving.openai.api_errors import APIError
+from pagedserve.serving.openai.engine_run import ServerContext
 
 __all__ = ["MAX_LINES", "BatchRunner"]
 

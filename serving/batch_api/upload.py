@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pagedserve.serving.openai.engine_run import APIError
+from pagedserve.serving.openai.api_errors import APIError
 
 try:
     from python_multipart.exceptions import FormParserError

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.messages import SamplingParamsError, StructuredOutputsParams
-from pagedserve.serving.openai.engine_run import APIError
+from pagedserve.serving.openai.api_errors import APIError
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["constraint_of"]

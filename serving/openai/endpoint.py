@@ -19,8 +19,9 @@ from pagedserve.messages import (
     CompletionDelta,
     CompletionOutput,
 )
+from pagedserve.serving.openai.api_errors import APIError
 from pagedserve.serving.openai.cpu_pool import CpuPool
-from pagedserve.serving.openai.engine_run import APIError, EngineRun
+from pagedserve.serving.openai.engine_run import EngineRun
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.token_entries import token_text, top_entries
 

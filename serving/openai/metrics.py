@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from pagedserve.controller.client import EngineClient
-from pagedserve.controller.scheduler import BATCHED_TOKENS_BUCKETS
+from pagedserve.controller.engine_stats import BATCHED_TOKENS_BUCKETS
 
 __all__ = ["PREFIX", "ServerMetrics"]
 

@@ -14,16 +14,10 @@ from pagedserve.controller.errors import InvalidGrammarError
 from pagedserve.messages import SamplingParams, SamplingParamsError
 from pagedserve.serving.chat import ChatError
 from pagedserve.serving.chat import render_chat as render_conversation
+from pagedserve.serving.openai.api_errors import APIError, engine_unavailable, submit_error
 from pagedserve.serving.openai.constraints import constraint_of
 from pagedserve.serving.openai.endpoint import Endpoint
-from pagedserve.serving.openai.engine_run import (
-    APIError,
-    EngineRun,
-    Prompt,
-    ServerContext,
-    engine_unavailable,
-    submit_error,
-)
+from pagedserve.serving.openai.engine_run import EngineRun, Prompt, ServerContext
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagedserve.serving.openai.request_checks import (
     check_logprob_entries,

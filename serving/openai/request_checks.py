@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from pagedserve.serving.openai.engine_run import APIError
+from pagedserve.serving.openai.api_errors import APIError
 from pagedserve.serving.openai.limits import ServerLimits
 
 __all__ = ["check_logprob_entries", "check_prompt_chars", "check_stops"]

@@ -15,7 +15,7 @@ import uuid
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.serving.openai.engine_run import REQUEST_ID, InternalError
+from pagedserve.serving.openai.api_errors import REQUEST_ID, InternalError
 
 __all__ = ["REQUEST_ID_HEADER", "RequestIdMiddleware"]
 

@@ -33,15 +33,10 @@ from starlette.types import Receive, Scope, Send
 
 from pagedserve.config import EngineConfig
 from pagedserve.controller.client import EngineClient
+from pagedserve.serving.openai.api_errors import APIError, validation_error
 from pagedserve.serving.openai.cpu_pool import CpuPool
 from pagedserve.serving.openai.endpoint import Endpoint
-from pagedserve.serving.openai.engine_run import (
-    APIError,
-    ClientGone,
-    EngineRun,
-    ServerContext,
-    validation_error,
-)
+from pagedserve.serving.openai.engine_run import ClientGone, EngineRun, ServerContext
 from pagedserve.serving.openai.json_turns import JSONInTurns
 from pagedserve.serving.openai.limits import ServerLimits
 from pagedserve.serving.openai.metrics import ServerMetrics

@@ -20,7 +20,8 @@ from pydantic import StrictStr
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.serving.openai.engine_run import APIError, ServerContext
+from pagedserve.serving.openai.api_errors import APIError
+from pagedserve.serving.openai.engine_run import ServerContext
 from pagedserve.serving.openai.json_turns import JSONInTurns
 from pagedserve.serving.openai.prepare import (
     add_generation_prompt,

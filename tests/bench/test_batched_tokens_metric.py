@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.bench.prom import histogram_quantile, parse_metrics
+from pagedserve.controller.engine_stats import BATCHED_TOKENS_BUCKETS
 from pagedserve.controller.request import Request
-from pagedserve.controller.scheduler import BATCHED_TOKENS_BUCKETS, Scheduler
+from pagedserve.controller.scheduler import Scheduler
 from pagedserve.kv import KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, SamplingParams
 from pagedserve.serving.openai.metrics import ServerMetrics

@@ -17,8 +17,9 @@ import pytest
 
 from pagedserve.messages import AddRequest, CompletionDelta, RequestDelta
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.serving.openai.api_errors import APIError
 from pagedserve.serving.openai.endpoint import Endpoint
-from pagedserve.serving.openai.engine_run import APIError, EngineRun, Prompt, ServerContext
+from pagedserve.serving.openai.engine_run import EngineRun, Prompt, ServerContext
 from pagedserve.serving.openai.metrics import ServerMetrics
 
 Sink = Callable[[RequestDelta], None]
