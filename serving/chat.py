@@ -100,13 +100,15 @@ def render_chat(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     continue_final_message: bool = False,
     documents: Sequence[Mapping[str, str]] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     allow_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
     """``(prompt text, prompt token ids)`` of a conversation; raises ``ChatError``.
 
     ``chat_template_kwargs`` are more variables for the template (``enable_thinking``, ...);
     ``continue_final_message`` leaves the last (assistant) message open for the model to go on
-    with; ``documents`` go to a template that renders them. Control tokens written in any of
+    with; ``documents`` and ``tools`` (OpenAI's function definitions) go to a template that
+    renders them. Control tokens written in any of
     these strings (``</s>``, ``<|im_start|>``) are tokenized as plain text;
     ``allow_special_tokens`` lets them be real tokens, as the text reads."""
     messages = _check(conversation)
@@ -119,6 +121,8 @@ def render_chat(
     extra = _template_kwargs(tokenizer, chat_template_kwargs)
     if documents is not None:
         extra["documents"] = documents
+    if tools is not None:
+        extra["tools"] = tools
     if continue_final_message:
         if add_generation_prompt:
             raise ChatError("continue_final_message and add_generation_prompt cannot both be "

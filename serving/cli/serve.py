@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedserve.serving.cli.engine_args import add_engine_arguments, engine_options
 from pagedserve.serving.cli.limit_args import add_limit_arguments, limits_from_args
+from pagedserve.serving.tool_parsers import TOOL_CALL_PARSERS
 
 __all__ = [
     "API_KEY_ENV", "add_serve_parser", "allowed_origins", "api_key", "engine_options",
@@ -49,6 +50,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="let control-token text in chat messages (such as </s>) become real "
                         "tokens; by default it is tokenized as plain text, so that only the "
                         "chat template writes control tokens")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="how tool_choice auto reads the model's tool calls from its text "
+                        "(default: the format the chat template's own syntax shows)")
     p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="origins whose browser pages may call the server (CORS): a comma "
                         "list, or a JSON list as vLLM takes it; '*' for any (default: none)")
@@ -135,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
               log_level=args.log_level, batch_dir=args.batch_dir or default_batch_dir(),
               batch_max_in_flight=args.batch_max_in_flight, limits=limits,
               allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-              allowed_origins=origins)
+              allowed_origins=origins, tool_call_parser=args.tool_call_parser)
     except KeyboardInterrupt:
         pass
     return 0

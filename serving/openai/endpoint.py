@@ -24,6 +24,8 @@ from pagedserve.serving.openai.cpu_pool import CpuPool
 from pagedserve.serving.openai.engine_run import EngineRun
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.token_entries import token_text, top_entries
+from pagedserve.serving.openai.tools import ChatText
+from pagedserve.serving.tool_parsers import ToolCallFormat
 
 __all__ = ["Endpoint"]
 
@@ -54,7 +56,8 @@ class Endpoint:
     return_token_ids: bool = False
     """The prompt's and each choice's token ids go in the answer (vLLM's
     ``return_token_ids``)."""
-    """Where large answers are built (None: on the caller's thread)."""
+    tool_calls: ToolCallFormat | None = None
+    """How a chat answer's tool calls are read from its text (None: it is all content)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     # ------------------------------------------------------------------- non-streaming
@@ -134,14 +137,16 @@ class Endpoint:
     ) -> dict[str, Any]:
         n = self.run.params.n
         choice: dict[str, Any] = {"index": sub_index * n + comp.index}
+        finish_reason = comp.finish_reason
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"], finish_reason = ChatText(self.tool_calls).message(
+                text, finish_reason)
         else:
             choice["text"] = text
         choice["logprobs"] = (
             self._logprobs(logprobs, 0, prompt) if self.top_n is not None else None
         )
-        choice["finish_reason"] = comp.finish_reason
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = comp.stop_reason
         return choice
 
@@ -225,7 +230,7 @@ class Endpoint:
     # ----------------------------------------------------------------------- streaming
     async def stream_events(self) -> AsyncIterator[str]:
         n = self.run.params.n
-        states = [[_Sent() for _ in range(n)] for _ in self.run.subs]
+        states = [[_Sent(ChatText(self.tool_calls)) for _ in range(n)] for _ in self.run.subs]
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
             if self.chat:  # the role comes first, before any content
@@ -299,12 +304,17 @@ class Endpoint:
         sent.started = True
         entries = d.logprobs or []
         ids = d.token_ids if self.return_token_ids else []
-        if not text and not entries and not prompt and not finished and not ids:
+        finish_reason = d.finish_reason
+        delta: dict[str, Any] = {}
+        if self.chat:  # the text as content and tool calls (some held back until it is clear)
+            delta, finish_reason = sent.chat.delta(text, finish_reason)
+        if not (delta if self.chat else text) and not entries and not prompt and not finished \
+                and not ids:
             return None
         sent.finished = finished
         choice: dict[str, Any] = {"index": sub_index * self.run.params.n + d.index}
         if self.chat:
-            choice["delta"] = {"content": text} if text or not finished else {}
+            choice["delta"] = delta
         else:
             choice["text"] = text
         logprobs = None
@@ -312,7 +322,7 @@ class Endpoint:
             logprobs = self._logprobs(entries, sent.offset, prompt)
             sent.offset += sum(len(t) for t in logprobs.get("tokens", []))
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = d.finish_reason
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = d.stop_reason
         if self.return_token_ids:
             if first and not self.chat:
@@ -354,6 +364,7 @@ def _merge(merged: dict[int, CompletionDelta], d: CompletionDelta) -> None:
 
 @dataclass(slots=True)
 class _Sent:
+    chat: ChatText
     offset: int = 0
     started: bool = False
     finished: bool = False

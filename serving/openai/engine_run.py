@@ -85,6 +85,8 @@ class ServerContext:
     """Where tokenizing and response building run, off the event loop."""
     allow_special_tokens_in_content: bool = False
     """Chat messages' control-token text (``</s>``) becomes real tokens instead of text."""
+    tool_call_parser: str | None = None
+    """How ``tool_choice`` auto reads calls (None: as the chat template's syntax shows)."""
 
 
 @dataclass(slots=True)

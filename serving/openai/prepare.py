@@ -11,7 +11,7 @@ from typing import Any
 
 from pagedserve.controller.client import EngineClient
 from pagedserve.controller.errors import InvalidGrammarError
-from pagedserve.messages import SamplingParams, SamplingParamsError
+from pagedserve.messages import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from pagedserve.serving.chat import ChatError
 from pagedserve.serving.chat import render_chat as render_conversation
 from pagedserve.serving.openai.api_errors import APIError, engine_unavailable, submit_error
@@ -24,6 +24,7 @@ from pagedserve.serving.openai.request_checks import (
     check_prompt_chars,
     check_stops,
 )
+from pagedserve.serving.openai.tools import message_dict, plan_tools
 
 __all__ = [
     "add_generation_prompt", "check_model_name", "conversation_chars", "prepare_chat",
@@ -64,18 +65,24 @@ def _sampling_params(
     names: dict[str, str],
     *,
     echo: bool = False,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """``echo`` (completions): the prompt's logprobs go with the completion's, and
-    ``max_tokens`` 0 asks for the prompt alone (scoring it)."""
+    ``max_tokens`` 0 asks for the prompt alone (scoring it). ``constraint``: the one
+    ``tool_choice`` sets, which no other structured-output field may join."""
     if max_tokens == 0 and not echo:
         param = names.get("max_tokens", "max_tokens")
         raise APIError(
             400, f"{param} must be at least 1 (0, the prompt alone, needs echo on "
             "/v1/completions)", param=param,
         )
+    asked, field_name = constraint_of(body)
+    if constraint is not None and asked is not None:
+        raise APIError(400, f"{field_name} cannot be combined with tool_choice required or a "
+                       "named function (it sets the output's shape itself)", param=field_name)
     kw: dict[str, Any] = {
         "n": body.n, "max_tokens": max_tokens, "logprobs": logprobs,
-        "structured_outputs": constraint_of(body)[0], "logit_bias": _logit_bias(body.logit_bias),
+        "structured_outputs": constraint or asked, "logit_bias": _logit_bias(body.logit_bias),
         "allowed_token_ids": body.allowed_token_ids,
         "include_stop_str_in_output": body.include_stop_str_in_output,
     }
@@ -166,7 +173,7 @@ async def _start(run: EngineRun, prompt_param: str,
     except APIError:
         raise
     except InvalidGrammarError as exc:
-        raise APIError(400, str(exc), param=constraint_of(body)[1],
+        raise APIError(400, str(exc), param=constraint_of(body)[1] or "tools",
                        code=type(exc).__name__) from exc
     except Exception as exc:
         raise submit_error(exc, prompt_param) from exc
@@ -235,7 +242,8 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     names = {"logprobs": "top_logprobs", "max_tokens": max_param}
     check_stops(ctx.limits, body.stop)
-    params = _sampling_params(body, max_tokens, top_n, names)
+    tools = plan_tools(body, ctx.tool_call_parser, chat_template(client))
+    params = _sampling_params(body, max_tokens, top_n, names, constraint=tools.constraint)
     check_prompt_chars(ctx.limits, client.max_model_len, [conversation_chars(body.messages)],
                        "messages")
     # The template (Jinja) and the tokenizer run off the event loop.
@@ -244,7 +252,7 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
         allow_special_tokens=ctx.allow_special_tokens_in_content,
         continue_final_message=body.continue_final_message, documents=body.documents,
         chat_template_kwargs=body.chat_template_kwargs,
-        add_special_tokens=body.add_special_tokens,
+        add_special_tokens=body.add_special_tokens, tools=tools.tools,
     ))
     prompt = _truncated([prompt], body.truncate_prompt_tokens)[0]
     _check_context(client, [prompt], max_tokens, "messages", max_param)
@@ -260,8 +268,13 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
         stream=body.stream, include_usage=_include_usage(body), top_n=top_n, pool=ctx.pool,
         prompt_top_n=body.prompt_logprobs,
         token_ids_as_text=bool(body.return_tokens_as_token_ids),
-        return_token_ids=bool(body.return_token_ids),
+        return_token_ids=bool(body.return_token_ids), tool_calls=tools.fmt,
     )
+
+
+def chat_template(client: EngineClient) -> str | None:
+    template = getattr(client.tokenizer.hf, "chat_template", None) if client.tokenizer else None
+    return template if isinstance(template, str) else None
 
 
 def add_generation_prompt(body: ChatCompletionRequest | Any) -> bool:
@@ -282,6 +295,7 @@ def render_chat(
     allow_special_tokens: bool = False, continue_final_message: bool = False,
     documents: list[dict[str, str]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Prompt:
     """A conversation through the chat template (``add_prompt``: open the assistant's turn),
     as ``serving.chat.render_chat`` renders it for every caller (control-token text in the
@@ -290,18 +304,13 @@ def render_chat(
     tok = client.tokenizer
     if tok is None:
         raise APIError(400, "chat needs a tokenizer with a chat template", param="messages")
-    msgs: list[dict[str, Any]] = []
-    for m in chat:
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            msg["name"] = m.name
-        msgs.append(msg)
+    msgs = [message_dict(m) for m in chat]
     try:
         text, ids = render_conversation(
             tok, msgs, add_generation_prompt=add_prompt,
             allow_special_tokens=allow_special_tokens,
             continue_final_message=continue_final_message, documents=documents,
-            chat_template_kwargs=chat_template_kwargs,
+            chat_template_kwargs=chat_template_kwargs, tools=tools,
         )
     except ChatError as exc:
         param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else (

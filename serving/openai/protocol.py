@@ -17,7 +17,8 @@ schema, as vLLM spells them: ``top_k``, ``min_p``, ``min_tokens``, ``repetition_
 ``return_tokens_as_token_ids``, ``return_token_ids``, ``request_id``, ``priority``,
 ``cache_salt`` (a tenant's private prefix cache), the chat template's
 ``add_generation_prompt``, ``continue_final_message``, ``documents`` and
-``chat_template_kwargs``, and ``structured_outputs`` with its older ``guided_json``,
+``chat_template_kwargs``, ``tools`` and ``tool_choice`` (tool calling), and
+``structured_outputs`` with its older ``guided_json``,
 ``guided_regex``, ``guided_choice`` and ``guided_grammar``.
 """
 
@@ -42,6 +43,7 @@ __all__ = [
     "APIRequest",
     "ChatCompletionRequest",
     "ChatMessage",
+    "ChatTool",
     "CompletionRequest",
     "ErrorBody",
     "ErrorResponse",
@@ -251,12 +253,50 @@ class TextPart(APIRequest):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionDefinition(APIRequest):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON Schema (none: any JSON object)."""
+    strict: bool | None = None
+    """Accepted; the arguments follow the schema under ``tool_choice`` required or named."""
+
+
+class ChatTool(APIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(APIRequest):
+    name: FunctionName
+
+
+class NamedToolChoice(APIRequest):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class FunctionCall(APIRequest):
+    name: str
+    arguments: str
+    """The arguments as a JSON text, as the model wrote them."""
+
+
+class ToolCall(APIRequest):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(APIRequest):
     role: str
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: _only("tool calls in messages", []) = None
-    tool_call_id: _only("tool messages (tool_call_id)") = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
     refusal: _only("an assistant refusal in the history") = None
     function_call: _only("function_call (deprecated; tool calling)") = None
     audio: _only("audio") = None
@@ -278,9 +318,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: _only("tool calling (tools)", []) = None
-    tool_choice: _only("tool calling (tool_choice)", "none", "auto") = None
-    parallel_tool_calls: _only("tool calling (parallel_tool_calls)", True, False) = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """``auto`` (the default with tools) reads calls from the text with the server's parser;
+    ``required`` and a named function constrain the output to calls of the given tools."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call."""
     reasoning_effort: _only("reasoning_effort") = None
     include_reasoning: _only("a reasoning channel (--reasoning-parser)", True) = None
     echo: _only("echo on chat", False) = None

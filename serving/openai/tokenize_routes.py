@@ -3,7 +3,7 @@
 ``/tokenize`` takes ``{"prompt": str, "add_special_tokens"?: bool}`` (the ids
 ``/v1/completions`` would compute; special tokens are added by default) or ``{"messages": [...]}``
 with the chat request's template fields (``add_generation_prompt``, ``continue_final_message``,
-``documents``, ``chat_template_kwargs``), rendered through the chat template as
+``documents``, ``chat_template_kwargs``, ``tools``), rendered through the chat template as
 ``/v1/chat/completions`` renders it (the template writes its own special tokens, so none are
 added by default), with ``"return_token_strs": true`` for the token strings too. It answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``. ``/detokenize`` takes
@@ -29,7 +29,13 @@ from pagedserve.serving.openai.prepare import (
     conversation_chars,
     render_chat,
 )
-from pagedserve.serving.openai.protocol import ERROR_RESPONSES, APIRequest, ChatMessage, TokenId
+from pagedserve.serving.openai.protocol import (
+    ERROR_RESPONSES,
+    APIRequest,
+    ChatMessage,
+    ChatTool,
+    TokenId,
+)
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.request_checks import check_prompt_chars
 
@@ -46,6 +52,7 @@ class TokenizeRequest(APIRequest):
     continue_final_message: bool = False
     documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
     return_token_strs: bool = False
 
 
@@ -80,6 +87,7 @@ def tokenize(
             continue_final_message=body.continue_final_message, documents=body.documents,
             chat_template_kwargs=body.chat_template_kwargs,
             add_special_tokens=bool(body.add_special_tokens),
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         ).token_ids
     strs = [str(s) for s in tok.hf.convert_ids_to_tokens(ids)] if body.return_token_strs else None
     return {

@@ -98,8 +98,8 @@ PER_ENDPOINT: dict[str, dict[str, tuple[Any, bool]]] = {
         "documents": ([{"title": "t", "text": "x"}], OK),
         "chat_template_kwargs": ({"persona": "p"}, OK), "parallel_tool_calls": (False, OK),
         "echo": (True, REFUSED), "chat_template": ("{{ messages }}", REFUSED),
-        "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSED),
-        "tool_choice": ("required", REFUSED), "reasoning_effort": ("low", REFUSED),
+        "tools": ([{"type": "function", "function": {"name": "f"}}], OK),
+        "tool_choice": ("required", OK), "reasoning_effort": ("low", REFUSED),
         "include_reasoning": (False, REFUSED), "modalities": (["audio"], REFUSED),
         "prediction": ({"type": "content", "content": "x"}, REFUSED),
         "web_search_options": ({}, REFUSED), "functions": ([{"name": "f"}], REFUSED),
@@ -112,6 +112,10 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "top_logprobs": {"logprobs": True},
     "continue_final_message": {"messages": [*MSGS, {"role": "assistant", "content": "jumps"}]},
     "best_of": {"n": 1},
+    # This template shows no tool-call syntax, so tool_choice auto has no parser to read with.
+    "tools": {"tool_choice": "none"},
+    "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}],
+                    "max_tokens": 24},
 }
 
 
