@@ -32,6 +32,7 @@ __all__ = [
     "ToolCallFormat",
     "ToolCallText",
     "detect_tool_call_parser",
+    "held_back",
     "named_call",
     "required_calls",
     "tool_call_format",
@@ -176,7 +177,7 @@ def _calls_list(t: str, i: int, args_keys: tuple[str, ...], final: bool) -> list
         j = end
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many trailing characters of ``text`` could start ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
@@ -207,7 +208,7 @@ class ToolCallFormat:
             return self._parse_whole(text, final)
         start = text.find(self.marker)
         if start < 0:
-            keep = 0 if final else _held_back(text, self.marker)
+            keep = 0 if final else held_back(text, self.marker)
             return ParsedText(text[: len(text) - keep])
         content = text[:start].rstrip()
         calls: list[ToolCallText] = []

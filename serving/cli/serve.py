@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedserve.serving.cli.engine_args import add_engine_arguments, engine_options
 from pagedserve.serving.cli.limit_args import add_limit_arguments, limits_from_args
+from pagedserve.serving.reasoning_parsers import REASONING_PARSERS
 from pagedserve.serving.tool_parsers import TOOL_CALL_PARSERS
 
 __all__ = [
@@ -53,6 +54,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="how tool_choice auto reads the model's tool calls from its text "
                         "(default: the format the chat template's own syntax shows)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's reasoning (<think>...</think>) off its chat "
+                        "answers, as reasoning_content")
     p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="origins whose browser pages may call the server (CORS): a comma "
                         "list, or a JSON list as vLLM takes it; '*' for any (default: none)")
@@ -139,7 +143,8 @@ def run_serve(args: argparse.Namespace) -> int:
               log_level=args.log_level, batch_dir=args.batch_dir or default_batch_dir(),
               batch_max_in_flight=args.batch_max_in_flight, limits=limits,
               allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-              allowed_origins=origins, tool_call_parser=args.tool_call_parser)
+              allowed_origins=origins, tool_call_parser=args.tool_call_parser,
+              reasoning_parser=args.reasoning_parser)
     except KeyboardInterrupt:
         pass
     return 0

@@ -25,6 +25,7 @@ from pagedserve.serving.openai.engine_run import EngineRun
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.token_entries import token_text, top_entries
 from pagedserve.serving.openai.tools import ChatText
+from pagedserve.serving.reasoning_parsers import ReasoningFormat
 from pagedserve.serving.tool_parsers import ToolCallFormat
 
 __all__ = ["Endpoint"]
@@ -58,6 +59,9 @@ class Endpoint:
     ``return_token_ids``)."""
     tool_calls: ToolCallFormat | None = None
     """How a chat answer's tool calls are read from its text (None: it is all content)."""
+    reasoning: ReasoningFormat | None = None
+    """How a chat answer's reasoning is split off (None: it has none)."""
+    show_reasoning: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
 
     # ------------------------------------------------------------------- non-streaming
@@ -139,7 +143,7 @@ class Endpoint:
         choice: dict[str, Any] = {"index": sub_index * n + comp.index}
         finish_reason = comp.finish_reason
         if self.chat:
-            choice["message"], finish_reason = ChatText(self.tool_calls).message(
+            choice["message"], finish_reason = self._chat_text().message(
                 text, finish_reason)
         else:
             choice["text"] = text
@@ -149,6 +153,9 @@ class Endpoint:
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = comp.stop_reason
         return choice
+
+    def _chat_text(self) -> ChatText:
+        return ChatText(self.tool_calls, self.reasoning, self.show_reasoning)
 
     def _usage(self) -> dict[str, Any]:
         prompt = sum(len(s.prompt.token_ids) for s in self.run.subs)
@@ -230,7 +237,7 @@ class Endpoint:
     # ----------------------------------------------------------------------- streaming
     async def stream_events(self) -> AsyncIterator[str]:
         n = self.run.params.n
-        states = [[_Sent(ChatText(self.tool_calls)) for _ in range(n)] for _ in self.run.subs]
+        states = [[_Sent(self._chat_text()) for _ in range(n)] for _ in self.run.subs]
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
             if self.chat:  # the role comes first, before any content

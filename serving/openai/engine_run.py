@@ -87,6 +87,8 @@ class ServerContext:
     """Chat messages' control-token text (``</s>``) becomes real tokens instead of text."""
     tool_call_parser: str | None = None
     """How ``tool_choice`` auto reads calls (None: as the chat template's syntax shows)."""
+    reasoning_parser: str | None = None
+    """How a thinking model's reasoning is split off its answers (None: it is not)."""
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from pagedserve.serving.openai.request_checks import (
     check_stops,
 )
 from pagedserve.serving.openai.tools import message_dict, plan_tools
+from pagedserve.serving.reasoning_parsers import REASONING_PARSERS
 
 __all__ = [
     "add_generation_prompt", "check_model_name", "conversation_chars", "prepare_chat",
@@ -269,6 +270,9 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
         prompt_top_n=body.prompt_logprobs,
         token_ids_as_text=bool(body.return_tokens_as_token_ids),
         return_token_ids=bool(body.return_token_ids), tool_calls=tools.fmt,
+        # A constrained tool call is the whole answer: no reasoning comes before it.
+        reasoning=REASONING_PARSERS.get(ctx.reasoning_parser or "") if tools.constraint is None
+        else None, show_reasoning=body.include_reasoning,
     )
 
 

@@ -325,7 +325,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     """False: at most one call."""
     reasoning_effort: _only("reasoning_effort") = None
-    include_reasoning: _only("a reasoning channel (--reasoning-parser)", True) = None
+    include_reasoning: bool = True
     echo: _only("echo on chat", False) = None
     add_special_tokens: bool = False
     """Add the tokenizer's special tokens (BOS, ...) on top of what the template writes."""

@@ -116,6 +116,7 @@ def build_app(
     allow_special_tokens_in_content: bool = False,
     allowed_origins: Sequence[str] = (),
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The ASGI app serving ``client``. Metrics live in a registry owned by this app.
 
@@ -126,7 +127,8 @@ def build_app(
     Control-token text in chat messages (``</s>``) is tokenized as text unless
     ``allow_special_tokens_in_content``. ``allowed_origins`` (``*`` for any) may call it
     from a browser. ``tool_call_parser`` reads the calls of ``tool_choice`` auto (None: the
-    one the chat template's syntax shows).
+    one the chat template's syntax shows); ``reasoning_parser`` splits a thinking model's
+    reasoning off its chat answers (``reasoning_content``).
     """
     limits = ServerLimits() if limits is None else limits
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
@@ -135,7 +137,7 @@ def build_app(
     metrics = ServerMetrics(client)
     ctx = ServerContext(client, metrics, limits=limits, pool=CpuPool(limits.cpu_workers),
                         allow_special_tokens_in_content=allow_special_tokens_in_content,
-                        tool_call_parser=tool_call_parser)
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     app.state.client = client
     app.state.metrics = metrics
     app.state.context = ctx
@@ -289,6 +291,7 @@ def serve(
     allow_special_tokens_in_content: bool = False,
     allowed_origins: Sequence[str] = (),
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Start an engine for ``config`` and serve it until interrupted, then shut it down.
 
@@ -308,7 +311,8 @@ def serve(
         app = build_app(client, api_key=api_key, batch_dir=batch_dir,
                         batch_max_in_flight=batch_max_in_flight, limits=limits,
                         allow_special_tokens_in_content=allow_special_tokens_in_content,
-                        allowed_origins=allowed_origins, tool_call_parser=tool_call_parser)
+                        allowed_origins=allowed_origins, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser)
         logger.info("serving %s on http://%s:%d", client.model_name, host, port)
         server = uvicorn.Server(uvicorn_config(app, limits, host=host, port=port,
                                                log_level=log_level))

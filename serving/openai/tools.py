@@ -14,7 +14,9 @@ them). ``tool_choice``:
 
 So under ``required`` and a named function the arguments always parse and follow the schema,
 whatever the model. ``ChatText`` turns a completion's text into the message, or into stream
-deltas as OpenAI streams them: a call's id, type and name first, then its argument fragments.
+deltas as OpenAI streams them: a call's id, type and name first, then its argument fragments
+(and a thinking model's reasoning, split off by ``--reasoning-parser``, as
+``reasoning_content``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 from pagedserve.messages import StructuredOutputsParams
 from pagedserve.serving.openai.api_errors import APIError
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.serving.reasoning_parsers import ReasoningFormat
 from pagedserve.serving.tool_parsers import (
+    ParsedText,
     ToolCallFormat,
     detect_tool_call_parser,
     named_call,
@@ -124,39 +128,59 @@ def _call_id() -> str:
 
 @dataclass
 class ChatText:
-    """One completion's text read as a chat answer under a tool plan's format."""
+    """One completion's text read as a chat answer: its reasoning (with a reasoning format),
+    then its content and the tool calls a tool plan's format finds in it."""
 
     fmt: ToolCallFormat | None
+    reasoning: ReasoningFormat | None = None
+    show_reasoning: bool = True
+    """False (``include_reasoning: false``): the reasoning is split off and dropped."""
     text: str = ""
+    _reasoning_sent: int = 0
     _content_sent: int = 0
     _ids: list[str] = field(default_factory=list)
     _args_sent: list[int] = field(default_factory=list)
 
+    def _parts(self, text: str, final: bool) -> tuple[str, ParsedText]:
+        reasoning, answer = ("", text) if self.reasoning is None else (
+            self.reasoning.split(text, final))
+        if answer is None:
+            return reasoning, ParsedText("")
+        return reasoning, ParsedText(answer) if self.fmt is None else self.fmt.parse(answer, final)
+
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole answer's message and its finish reason (``tool_calls`` when it calls)."""
-        if self.fmt is None:
-            return {"role": "assistant", "content": text}, finish_reason
-        parsed = self.fmt.parse(text, final=True)
+        reasoning, parsed = self._parts(text, True)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if self.reasoning is not None and self.show_reasoning:
+            message["reasoning_content"] = reasoning or None
         calls = [c for c in parsed.calls if c.name is not None]
         if not calls:
-            return {"role": "assistant", "content": parsed.content}, finish_reason
-        message = {"role": "assistant", "content": parsed.content or None, "tool_calls": [
+            return message, finish_reason
+        message["content"] = parsed.content or None
+        message["tool_calls"] = [
             {"id": _call_id(), "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return message, self._called(finish_reason)
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """The stream delta for ``text`` (new since the last call): content that can no longer
-        turn out to open a call, a call's header once its name is complete, then its argument
-        fragments; and the finish reason."""
-        if self.fmt is None:
+        """The stream delta for ``text`` (new since the last call): reasoning, content that
+        can no longer turn out to be a marker or open a call, a call's header once its name is
+        complete, then its argument fragments; and the finish reason."""
+        if self.fmt is None and self.reasoning is None:
             return ({"content": text} if text else {}), finish_reason
         self.text += text
         final = finish_reason is not None
-        parsed = self.fmt.parse(self.text, final)
-        # Whitespace that a call may follow is held back: the whole answer's content drops it.
-        content = parsed.content if final or parsed.calls else parsed.content.rstrip()
+        reasoning, parsed = self._parts(self.text, final)
         out: dict[str, Any] = {}
+        if len(reasoning) > self._reasoning_sent:
+            if self.show_reasoning:
+                out["reasoning_content"] = reasoning[self._reasoning_sent:]
+            self._reasoning_sent = len(reasoning)
+        # Whitespace that a call may follow is held back: the whole answer's content drops it.
+        content = parsed.content
+        if not (final or parsed.calls or self.fmt is None):
+            content = content.rstrip()
         if len(content) > self._content_sent:
             out["content"] = content[self._content_sent:]
             self._content_sent = len(content)

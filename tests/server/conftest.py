@@ -60,16 +60,19 @@ def _running(app: Any) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _openai(model_dir: Path, **options: Any) -> Iterator[SimpleNamespace]:
-    """An engine on ``model_dir`` behind a real server, with an ``openai`` client for it:
-    ``client``, ``oai``, ``model`` (its name) and ``url``."""
+def _openai(
+    model_dir: Path, app: dict[str, Any] | None = None, **options: Any
+) -> Iterator[SimpleNamespace]:
+    """An engine on ``model_dir`` (engine ``options``) behind a real server (``build_app``'s
+    ``app`` options), with an ``openai`` client for it: ``client``, ``oai``, ``model`` (its
+    name) and ``url``."""
     from openai import OpenAI
 
     from pagedserve.serving.openai.server import build_app
 
     client = _start_client(model_dir, **options)
     try:
-        with _running(build_app(client)) as url:
+        with _running(build_app(client, **(app or {}))) as url:
             oai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
             yield SimpleNamespace(client=client, oai=oai, model=client.model_name, url=url)
             oai.close()

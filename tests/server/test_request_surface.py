@@ -100,7 +100,7 @@ PER_ENDPOINT: dict[str, dict[str, tuple[Any, bool]]] = {
         "echo": (True, REFUSED), "chat_template": ("{{ messages }}", REFUSED),
         "tools": ([{"type": "function", "function": {"name": "f"}}], OK),
         "tool_choice": ("required", OK), "reasoning_effort": ("low", REFUSED),
-        "include_reasoning": (False, REFUSED), "modalities": (["audio"], REFUSED),
+        "include_reasoning": (False, OK), "modalities": (["audio"], REFUSED),
         "prediction": ({"type": "content", "content": "x"}, REFUSED),
         "web_search_options": ({}, REFUSED), "functions": ([{"name": "f"}], REFUSED),
         "function_call": ("auto", REFUSED), "audio": ({"voice": "a"}, REFUSED),
