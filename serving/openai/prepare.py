@@ -123,6 +123,9 @@ def _check_request_fields(body: CompletionRequest | ChatCompletionRequest) -> No
     """Fields taken by the schema whose values this server cannot honour."""
     if isinstance(body, CompletionRequest) and body.suffix:
         raise _unsupported("suffix", "suffix (fill in the middle)")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true",
+                       param="stream_options")
     if body.best_of is not None and body.best_of != body.n:
         raise _unsupported("best_of", "best_of other than n")
 

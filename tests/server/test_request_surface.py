@@ -112,6 +112,7 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "top_logprobs": {"logprobs": True},
     "continue_final_message": {"messages": [*MSGS, {"role": "assistant", "content": "jumps"}]},
     "best_of": {"n": 1},
+    "stream_options": {"stream": True},
     # This template shows no tool-call syntax, so tool_choice auto has no parser to read with.
     "tools": {"tool_choice": "none"},
     "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}],
@@ -353,6 +354,12 @@ def test_chat_template_kwargs_and_documents_reach_the_template(persona_env) -> N
     assert eos not in sneaky["tokens"]
     err = _error(_post(env, CHAT, {"chat_template_kwargs": {"tokenize": True}}))
     assert err["param"] == "chat_template_kwargs" and "tokenize" in err["message"]
+
+
+def test_stream_options_without_a_stream_is_refused(env) -> None:
+    for path in (COMPLETIONS, CHAT):
+        err = _error(_post(env, path, {"stream_options": {"include_usage": True}}))
+        assert err["param"] == "stream_options", err
 
 
 def test_priority_is_refused_by_name_under_first_come_first_served(env) -> None:
