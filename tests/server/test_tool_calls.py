@@ -264,3 +264,50 @@ def test_bad_tool_requests_are_refused_by_name(env, llama_dir: Path, srv: Any) -
         plain.http = http
         err = _error(plain, {"tools": TOOLS})
         assert err["param"] == "tool_choice" and "--tool-call-parser" in err["message"]
+
+
+AGENT = '''
+import asyncio, json, sys
+from typing import Literal
+from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                    set_tracing_disabled)
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)
+calls = []
+
+@function_tool
+def get_time(zone: Literal["UTC", "CET"]) -> str:
+    """The time in a zone."""
+    calls.append(zone)
+    return f"12:00 {zone}"
+
+model = OpenAIChatCompletionsModel(model=sys.argv[2], openai_client=AsyncOpenAI(
+    base_url=sys.argv[1], api_key="unused", max_retries=0))
+agent = Agent(name="clock", instructions="Tell the time.", tools=[get_time], model=model,
+              model_settings=ModelSettings(tool_choice="required", max_tokens=64),
+              tool_use_behavior="stop_on_first_tool")
+result = asyncio.run(Runner.run(agent, "What time is it?"))
+print(json.dumps({"calls": calls, "final": result.final_output}))
+'''
+
+
+def test_an_agent_framework_runs_a_tool_using_agent(env, tmp_path: Path) -> None:
+    """The OpenAI Agents SDK, from PyPI in a virtual environment of its own (never one of
+    ours), runs an agent whose model must call a tool; the tool's answer ends the run."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                    "openai-agents"], check=True, timeout=600)
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    # Run outside the repository: its root is our package, which would shadow PyPI names.
+    out = subprocess.run([str(venv / "bin" / "python"), str(script), f"{env.url}/v1", env.model],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(result["calls"]) == 1 and result["calls"][0] in ("UTC", "CET")
+    assert result["final"] == f"12:00 {result['calls'][0]}"
