@@ -49,6 +49,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template (None without one, or a template per name)."""
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 

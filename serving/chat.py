@@ -114,8 +114,7 @@ def render_chat(
     messages = _check(conversation)
     if tokenizer is None:
         raise ChatError("chat needs a tokenizer with a chat template, and the model has none")
-    template = chat_template or getattr(tokenizer.hf, "chat_template", None)
-    template = template if isinstance(template, str) else None
+    template = chat_template or tokenizer.chat_template
     _check_roles(messages, template)
     tokens = () if allow_special_tokens else tokenizer.control_tokens(template)
     extra = _template_kwargs(tokenizer, chat_template_kwargs)

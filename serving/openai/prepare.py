@@ -246,7 +246,8 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     names = {"logprobs": "top_logprobs", "max_tokens": max_param}
     check_stops(ctx.limits, body.stop)
-    tools = plan_tools(body, ctx.tool_call_parser, chat_template(client))
+    tools = plan_tools(body, ctx.tool_call_parser,
+                       client.tokenizer.chat_template if client.tokenizer else None)
     params = _sampling_params(body, max_tokens, top_n, names, constraint=tools.constraint)
     check_prompt_chars(ctx.limits, client.max_model_len, [conversation_chars(body.messages)],
                        "messages")
@@ -266,6 +267,10 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
         prompt_top_n=body.prompt_logprobs,
     )
     request_id, run = _new_run(ctx, "chatcmpl", [prompt], params, body)
+    # A constrained tool call is the whole answer: no reasoning comes before it.
+    reasoning = None
+    if ctx.reasoning_parser is not None and tools.constraint is None:
+        reasoning = REASONING_PARSERS[ctx.reasoning_parser]
     await _start(run, "messages", body)
     return Endpoint(
         chat=True, client=client, run=run, request_id=request_id, model=client.model_name,
@@ -273,15 +278,8 @@ async def prepare_chat(ctx: ServerContext, body: ChatCompletionRequest) -> Endpo
         prompt_top_n=body.prompt_logprobs,
         token_ids_as_text=bool(body.return_tokens_as_token_ids),
         return_token_ids=bool(body.return_token_ids), tool_calls=tools.fmt,
-        # A constrained tool call is the whole answer: no reasoning comes before it.
-        reasoning=REASONING_PARSERS.get(ctx.reasoning_parser or "") if tools.constraint is None
-        else None, show_reasoning=body.include_reasoning,
+        reasoning=reasoning, show_reasoning=body.include_reasoning,
     )
-
-
-def chat_template(client: EngineClient) -> str | None:
-    template = getattr(client.tokenizer.hf, "chat_template", None) if client.tokenizer else None
-    return template if isinstance(template, str) else None
 
 
 def add_generation_prompt(body: ChatCompletionRequest | Any) -> bool:
@@ -330,7 +328,7 @@ def render_chat(
 def warm_chat_template(client: EngineClient) -> None:
     """Render one conversation now, at start-up: the first render compiles the template
     (tens of ms for a real model's), which would otherwise land on the first chat request."""
-    if client.tokenizer is not None and getattr(client.tokenizer.hf, "chat_template", None):
+    if client.tokenizer is not None and client.tokenizer.chat_template:
         with contextlib.suppress(APIError):  # a template that rejects it fails per request
             render_chat(client, [ChatMessage(role="user", content="Hello")])
 

@@ -53,6 +53,8 @@ from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.request_ids import RequestIdMiddleware
 from pagedserve.serving.openai.tokenize_routes import tokenize_router
 from pagedserve.serving.openai.write_timeout import WriteTimeout
+from pagedserve.serving.reasoning_parsers import REASONING_PARSERS
+from pagedserve.serving.tool_parsers import tool_call_format
 
 __all__ = ["build_app", "serve"]
 
@@ -131,6 +133,11 @@ def build_app(
     reasoning off its chat answers (``reasoning_content``).
     """
     limits = ServerLimits() if limits is None else limits
+    if tool_call_parser is not None:
+        tool_call_format(tool_call_parser)  # an unknown name fails here, not per request
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; one of "
+                         f"{', '.join(sorted(REASONING_PARSERS))}")
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
     app.router.route_class = JSONInTurns
     app.state.json_turn = asyncio.Lock()

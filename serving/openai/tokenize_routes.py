@@ -38,6 +38,7 @@ from pagedserve.serving.openai.protocol import (
 )
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.request_checks import check_prompt_chars
+from pagedserve.serving.openai.tools import template_tools
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "tokenize_router"]
 
@@ -87,7 +88,7 @@ def tokenize(
             continue_final_message=body.continue_final_message, documents=body.documents,
             chat_template_kwargs=body.chat_template_kwargs,
             add_special_tokens=bool(body.add_special_tokens),
-            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            tools=template_tools(body.tools) if body.tools else None,
         ).token_ids
     strs = [str(s) for s in tok.hf.convert_ids_to_tokens(ids)] if body.return_token_strs else None
     return {

@@ -28,7 +28,7 @@ from typing import Any
 
 from pagedserve.messages import StructuredOutputsParams
 from pagedserve.serving.openai.api_errors import APIError
-from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from pagedserve.serving.reasoning_parsers import ReasoningFormat
 from pagedserve.serving.tool_parsers import (
     ParsedText,
@@ -39,7 +39,7 @@ from pagedserve.serving.tool_parsers import (
     tool_call_format,
 )
 
-__all__ = ["ChatText", "ToolPlan", "message_dict", "plan_tools"]
+__all__ = ["ChatText", "ToolPlan", "message_dict", "plan_tools", "template_tools"]
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -62,7 +62,7 @@ def plan_tools(body: ChatCompletionRequest, parser: str | None,
         if choice is not None and choice != "none":
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return ToolPlan(None)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    tools = template_tools(body.tools)
     functions = {t.function.name: t.function for t in body.tools}
     if len(functions) != len(body.tools):
         raise APIError(400, "tools name the same function twice", param="tools")
@@ -91,6 +91,11 @@ def plan_tools(body: ChatCompletionRequest, parser: str | None,
         raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among "
                        "the tools", param="tool_choice")
     return ToolPlan(tools, _constraint(fn.parameters or _ANY_OBJECT), named_call(fn.name))
+
+
+def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
+    """OpenAI's function definitions as the chat template takes them."""
+    return [t.model_dump(exclude_none=True) for t in tools]
 
 
 def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:

@@ -59,6 +59,20 @@ def _running(app: Any) -> Iterator[str]:
         sock.close()
 
 
+def _with_chat_template(model_dir: Path, dest: Path, template: str) -> Path:
+    """A copy of the checkpoint at ``model_dir`` in ``dest``, with ``template`` as its
+    tokenizer's chat template."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, dest)
+    cfg_path = dest / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg))
+    return dest
+
+
 @contextlib.contextmanager
 def _openai(
     model_dir: Path, app: dict[str, Any] | None = None, **options: Any
@@ -84,7 +98,7 @@ def _openai(
 def srv() -> SimpleNamespace:
     """Helpers (test modules cannot import conftest under importlib mode)."""
     return SimpleNamespace(start_client=_start_client, running=_running, wait_until=wait_until,
-                           openai=_openai)
+                           openai=_openai, with_chat_template=_with_chat_template)
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:

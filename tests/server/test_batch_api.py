@@ -232,8 +232,10 @@ def test_a_stopped_server_resumes_its_batch(llama_dir, srv, tmp_path: Path) -> N
     the records written before stay as they were."""
     from openai import OpenAI
 
-    lines = [_line(f"r{i}", {"prompt": f"Resume {i}", "max_tokens": 16, **GREEDY})
-             for i in range(12)]
+    # The lines after the first three are long (ignore_eos: 96 tokens each), so the runner
+    # cannot finish the other nine between the poll that sees three done and the stop.
+    lines = [_line(f"r{i}", {"prompt": f"Resume {i}", "max_tokens": 16 if i < 3 else 96,
+                             **GREEDY}) for i in range(12)]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     client = srv.start_client(llama_dir, max_model_len=128)

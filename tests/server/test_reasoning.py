@@ -88,3 +88,11 @@ def test_reasoning_then_a_tool_call(env) -> None:
     assert msg.content is None and out.choices[0].finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [
         ("get_weather", '{"city": "Oslo"}')]
+
+
+def test_an_unknown_parser_name_stops_the_server_from_starting(env) -> None:
+    from pagedserve.serving.openai.server import build_app
+
+    for option in ("reasoning_parser", "tool_call_parser"):
+        with pytest.raises(ValueError, match="unknown"):
+            build_app(env.client, **{option: "nope"})

@@ -11,7 +11,6 @@ ids that decode to the text, and the chat template's ``continue_final_message``,
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -321,17 +320,12 @@ def test_continue_final_message_through_tokenize_and_chat(env) -> None:
 @pytest.fixture(scope="module")
 def persona_env(llama_dir: Path, srv: Any, tmp_path_factory) -> Iterator[SimpleNamespace]:
     """The tiny Llama with a chat template that reads a ``persona`` variable and documents."""
-    model = tmp_path_factory.mktemp("persona") / "model"
-    shutil.copytree(llama_dir, model)
-    cfg_path = model / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = (
+    model = srv.with_chat_template(llama_dir, tmp_path_factory.mktemp("persona") / "model", (
         "{{ bos_token }}{% if persona %}[persona: {{ persona }}]\n{% endif %}"
         "{% for d in documents or [] %}[doc {{ d['title'] }}: {{ d['text'] }}]\n{% endfor %}"
         "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-    )
-    cfg_path.write_text(json.dumps(cfg))
+    ))
     with srv.openai(model) as e, httpx.Client(base_url=e.url, timeout=60) as http:
         e.http = http
         yield e

@@ -11,7 +11,6 @@ random model write a Hermes call, and the parser must find it, streamed and not.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -116,12 +115,8 @@ def test_a_partial_start_marker_is_held_back_until_it_is_clear() -> None:
 # ------------------------------------------------------------------------------ HTTP
 @pytest.fixture(scope="module")
 def env(llama_dir: Path, srv: Any, tmp_path_factory) -> Iterator[SimpleNamespace]:
-    model = tmp_path_factory.mktemp("tools") / "model"
-    shutil.copytree(llama_dir, model)
-    cfg_path = model / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
+    model = srv.with_chat_template(llama_dir, tmp_path_factory.mktemp("tools") / "model",
+                                   TEMPLATE)
     with srv.openai(model, max_model_len=512) as e, \
             httpx.Client(base_url=e.url, timeout=60) as http:
         e.http = http
