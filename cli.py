@@ -7,7 +7,7 @@ import logging
 import sys
 
 from pagedserve import __version__
-from pagedserve.bench.cli import add_bench_parser, run_bench
+from pagedserve.benchmarks.cli import add_bench_parser, run_bench
 from pagedserve.serving.cli.generate import add_generate_arguments, run_generate_job
 from pagedserve.serving.cli.serve import add_serve_parser, run_serve
 

@@ -146,7 +146,7 @@ def paged_attention(
         # the kernel's per-row loops there in float32; the plan of those sequences is built once
         # per step. Not in bf16: the torch path widens the gathered K/V to float32 and its GEMMs
         # gain nothing, so the kernel, reading half the bytes, is 1.6-2.6x faster on a 200-token
-        # prefill (llama-22m shapes, ``benchmarks/cpu_kernels.py --dtype bfloat16``).
+        # prefill (llama-22m shapes, ``benchmarks/scripts/cpu_kernels.py --dtype bfloat16``).
         split = None
         if plans is not None and not return_lse and q.dtype == torch.float32:
             split = _cached_plan(plans, q, kv_cache, cu_seqlens_q, seq_lens, block_table,

@@ -3,7 +3,7 @@
 ``F.linear`` on a CPU float32 weight calls MKL's sgemm, which re-reads the weight in its plain
 row-major layout on every call and parallelises poorly when few rows come in (a decode step),
 while oneDNN's matmul reads a weight reordered once into its blocked layout; the LM head, the
-widest weight, gains most (``benchmarks/cpu_kernels.py`` measures both on the checkpoints'
+widest weight, gains most (``benchmarks/scripts/cpu_kernels.py`` measures both on the checkpoints'
 shapes). So ``pack_weight`` reorders a weight after loading, when that path exists (CPU,
 float32, a torch built with oneDNN), and ``linear`` runs the packed weight through oneDNN;
 everywhere else the plain weight keeps ``F.linear``. Both sum in float32; they differ in
@@ -30,7 +30,7 @@ __all__ = ["PACK_MIN_ELEMENTS", "linear", "linear_ref", "pack_weight", "packs"]
 
 # Below about this many weight elements (a 512 x 512 projection) oneDNN's fixed cost per call
 # outweighs what the packed layout saves (the demo model's small projections are slower packed;
-# ``benchmarks/cpu_kernels.py`` measures where the two cross). The layers keep their plain
+# ``benchmarks/scripts/cpu_kernels.py`` measures where the two cross). The layers keep their plain
 # weight below it.
 PACK_MIN_ELEMENTS = 1 << 18
 

@@ -9,9 +9,9 @@ Two layouts, each on CPU kernels with a pure-torch reference beside it:
   - above it, dynamic int8 activations: each row of x is quantized symmetrically with its own
     scale (``quantize_rows_int8``, compiled in ``csrc/quant_cpu.cpp``), the int8 product runs
     through ``torch._int_mm`` (int32 sums, exact), and ``dequantize_int32`` applies the row and
-    channel scales. ``_weight_int8pack_mm`` computes one matrix-vector product per row, so at
-    64 rows it is 4-6x slower than oneDNN's bf16 GEMM on an AMX CPU, where the dynamic path
-    runs at 0.6-1.0x of bf16's speed (``benchmarks/int8_linear.py`` measures them per shape).
+    channel scales. ``_weight_int8pack_mm`` computes one matrix-vector product per row, which
+    falls behind a GEMM as rows grow (``benchmarks/scripts/int8_linear.py`` measures both per
+    shape; the figures are in ``docs/results/quantization.md``).
     This is the scheme of torchao's ``int8_dynamic_activation_int8_weight``: the activation
     rounding (at most half a step of its row's amax / 127 per element) is the price, measured
     as perplexity in ``docs/results/quantization.md``. The caller says per weight whether it
@@ -68,7 +68,7 @@ _INNER_K_TILES = 2  # the packing's K tiling; K must be a multiple of 16 * this
 _N_MULTIPLE = 16  # the packing's N tiling (aten refuses other output sizes)
 # Rows up to which int8 stays weight-only: at a few rows the weight read is the cost, and
 # _weight_int8pack_mm reads half of bf16's bytes; from about eight rows its per-row products
-# fall behind the int8 GEMM (benchmarks/int8_linear.py).
+# fall behind the int8 GEMM (benchmarks/scripts/int8_linear.py).
 WEIGHT_ONLY_ROWS = 4
 # _int_mm on the CPU returns wrong sums for K = 1 (torch 2.13); real layers are far wider.
 _INT_MM_MIN_K = 16

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks" / "scripts"
 
 
 def test_controller_step_quick(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@
   down projection: its input, the SiLU-gated product, carries a layer's largest activation
   outliers, and one per-row scale coarsens every other element of the row. On SmolLM2,
   against bf16 perplexity, each projection's activation rounding alone measured (with
-  ``benchmarks/perplexity.py``, the dynamic path limited to one projection by a patch not
+  ``benchmarks/scripts/perplexity.py``, the dynamic path limited to one projection by a patch not
   kept): QKV +2.6%, down +1.1%, o and gate/up +0.4% (the int8 weights' own +0.4%); all four
   together +4.5%. ``docs/results/quantization.md`` has the chosen split's figures.
 - ``gguf``: a checkpoint converted from a GGUF file serves its linear weights from the file's
@@ -124,7 +124,7 @@ def _release_freed_memory() -> None:
     resident (the layers' float weights are a few MiB each, under its grown mmap threshold),
     so without this the process stays near its float size: SmolLM2 served from its Q4_1
     blocks holds 507 MiB resident after the load, 360 MiB after the trim
-    (``benchmarks/quant_memory.py``). A no-op off glibc."""
+    (``benchmarks/scripts/quant_memory.py``). A no-op off glibc."""
     name = ctypes.util.find_library("c")
     try:
         trim = ctypes.CDLL(name).malloc_trim if name else None

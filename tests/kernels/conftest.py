@@ -17,7 +17,7 @@ from pagedserve.kernels import cp_owner_and_offset, reshape_and_cache_ref
 
 # Tolerances: float32 results must match the float64 dense attention to rel. 1e-5 (max abs error
 # over max abs value). On GPU, bf16 is checked at 2e-2 and fp16 at 5e-3 against the float32
-# reference of the same bf16/fp16-rounded inputs (see benchmarks/kernels_gpu.py).
+# reference of the same bf16/fp16-rounded inputs (see benchmarks/scripts/kernels_gpu.py).
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 PAD_BLOCK_ID = 1 << 20  # unused block-table entries point far outside the cache
 

@@ -3,8 +3,8 @@
 
 Tolerances (max abs error / max abs of the float64 result): float32 1e-5, float16 5e-3,
 bfloat16 2e-2 (the LSE, always float32, to at least 1e-5). The GPU run
-(benchmarks/kernels_gpu.py) holds bf16 to 2e-2 and fp16 to 5e-3 against the float32 reference
-computed from the same rounded inputs; bf16 Triton parity runs only there, because the
+(benchmarks/scripts/kernels_gpu.py) holds bf16 to 2e-2 and fp16 to 5e-3 against the float32
+reference computed from the same rounded inputs; bf16 Triton parity runs only there, because the
 interpreter's tl.dot mishandles bf16 operands.
 
 Every batch mixes a fresh prefill, a chunked-prefill continuation over cached context and decodes

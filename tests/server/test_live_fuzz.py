@@ -1,5 +1,5 @@
 """One bad request costs nobody else anything (issue 27): hypothesis bodies from
-``benchmarks/fuzz_server.py`` (every numeric field at and past its bounds, huge ints, NaN,
+``benchmarks/scripts/fuzz_server.py`` (every numeric field at and past its bounds, huge ints, NaN,
 lone surrogates, bytes that are not UTF-8, control-token text, odd roles, unknown fields) go to
 a live server. No answer is a 5xx, the engine never restarts, /health answers throughout, and
 afterwards nothing runs and no KV block is held. The seed is fixed: the same bodies each run."""
@@ -15,7 +15,7 @@ from helpers.live_server import live_server
 from pagedserve.serving.openai.limits import ServerLimits
 from pagedserve.serving.openai.server import build_app
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz_server.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scripts" / "fuzz_server.py"
 EXAMPLES = 40
 # The script holds /health to 100 ms with the server in a process of its own. Here the server,
 # the engine, hypothesis and the prober share one process (and the suite's other worker the

@@ -1,0 +1,85 @@
+"""The int8 linear kernels against the bfloat16 one, per row count, on SmolLM2's layer shapes.
+
+For each projection of a SmolLM2-135M decoder layer (qkv 960 x 576, o 576 x 576, gate and up
+3072 x 576, down 576 x 1536) and each row count (a decode step of that many sequences, or that
+many prefill tokens): oneDNN's bf16 matmul on the packed weight (what ``quantization="none"``
+runs at bf16), the weight-only int8 kernel (``aten._weight_int8pack_mm``), the dynamic int8 path
+(per-row activation quantization, ``torch._int_mm``, the scale epilogue) and ``int8_linear``
+as the engine calls it for a projection that may take dynamic activations (weight-only up to
+``WEIGHT_ONLY_ROWS`` rows, dynamic above; ``workers/quantize.py`` keeps QKV and down
+weight-only at every row count). The four alternate call by call
+(``cpu_kernels.time_alternating``); each figure is the median of ``--reps`` timed calls after a
+warm-up, in microseconds.
+
+    python benchmarks/scripts/int8_linear.py
+    python benchmarks/scripts/int8_linear.py --out docs/results/quantization.md
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from cpu_kernels import time_alternating
+from results_section import write_section
+
+from pagedserve.kernels import quant_linear as ql
+from pagedserve.kernels.linear import linear, pack_weight
+
+# name: (out, in) of SmolLM2-135M's projections
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate and up": (3072, 576), "down": (576, 1536)}
+ROWS = (1, 2, 3, 4, 8, 16, 64, 256)
+KERNELS = ("bf16 (oneDNN, packed)", "int8 weight-only", "int8 dynamic", "int8_linear")
+
+
+def _dynamic(x: torch.Tensor, w: ql.Int8Weight) -> torch.Tensor:
+    q, s = ql.quantize_rows_int8(x)
+    return ql.dequantize_int32(torch._int_mm(q, w.qweight.t()), s, w.col_scale, x.dtype)
+
+
+def _calls(x: torch.Tensor, wb: torch.Tensor, packed: torch.Tensor | None,
+           w8: ql.Int8Weight) -> list[Callable[[], object]]:
+    """The four kernels of ``KERNELS`` on rows ``x``, in order."""
+    return [lambda: linear(x, wb if packed is None else None, packed),
+            lambda: torch.ops.aten._weight_int8pack_mm(x, w8.qweight, w8.scale),
+            lambda: _dynamic(x, w8),
+            lambda: ql.int8_linear(x, w8)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=None,
+                    help="write the table as its own section of this markdown file")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    lines = [f"bfloat16 activations, {torch.get_num_threads()} torch threads, CPU capability "
+             f"{torch.backends.cpu.get_cpu_capability()}, median of {args.reps} calls each, "
+             f"alternating; us per call (GFLOP/s)", "",
+             "| projection | rows | " + " | ".join(KERNELS) + " | bf16 / int8_linear |",
+             "|---|---|" + "---|" * (len(KERNELS) + 1)]
+    for name, (n, k) in SHAPES.items():
+        wf = torch.randn(n, k, generator=g) / k ** 0.5
+        wb = wf.bfloat16()
+        packed = pack_weight(wb)
+        w8 = ql.quantize_int8(wf)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            times = time_alternating(_calls(x, wb, packed, w8), args.reps)
+            flops = 2 * rows * n * k
+            cells = [f"{t * 1e6:.0f} ({flops / t / 1e9:.0f})" for t in times]
+            lines.append(f"| {name} | {rows} | " + " | ".join(cells)
+                         + f" | {times[0] / times[3]:.2f}x |")
+            print(lines[-1], flush=True)
+    if args.out:
+        body = ["## The int8 kernels per row count (SmolLM2's projections)", "",
+                "Produced by:", "", "    python benchmarks/scripts/int8_linear.py --out "
+                "docs/results/quantization.md", "", *lines]
+        write_section(Path(args.out), "int8-kernels", body, "Weight quantization")
+
+
+if __name__ == "__main__":
+    main()
