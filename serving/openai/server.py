@@ -15,14 +15,16 @@ error" and the request id, which every answer carries in ``X-Request-Id`` (``req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -108,6 +110,16 @@ _ANSWERS: dict[int | str, dict[str, Any]] = {
 }
 
 
+@contextlib.asynccontextmanager
+async def _warm_event_loop(_: FastAPI) -> AsyncIterator[None]:
+    """Before the server accepts a connection: anyio imports its asyncio backend on first use,
+    which is the first streamed answer's task group. That import (hundreds of ms without
+    byte-compiled files, and holding the GIL the in-process engine's thread needs) would
+    otherwise land on the first request."""
+    await anyio.sleep(0)
+    yield
+
+
 def build_app(
     client: EngineClient,
     *,
@@ -138,7 +150,8 @@ def build_app(
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; one of "
                          f"{', '.join(sorted(REASONING_PARSERS))}")
-    app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve")
+    app = FastAPI(title="pagedserve", summary="OpenAI-compatible server over pagedserve",
+                  lifespan=_warm_event_loop)
     app.router.route_class = JSONInTurns
     app.state.json_turn = asyncio.Lock()
     metrics = ServerMetrics(client)

@@ -25,3 +25,26 @@ def test_the_server_renders_the_chat_template_once_while_it_starts() -> None:
     client = SimpleNamespace(tokenizer=Tokenizer(HF()), model_name="m")
     build_app(client)  # type: ignore[arg-type]
     assert rendered == [([{"role": "user", "content": "Hello"}], True)]
+
+
+def test_the_event_loop_backend_is_imported_before_the_server_accepts_a_request() -> None:
+    """anyio imports its asyncio backend on first use, which would be the first streamed
+    answer's task group; the app's lifespan (run by uvicorn before it accepts a connection)
+    pays it. A fresh interpreter, so that no earlier test has imported it."""
+    import subprocess
+    import sys
+
+    code = """
+import asyncio, sys
+from types import SimpleNamespace
+from pagedserve.serving.openai.server import build_app
+app = build_app(SimpleNamespace(tokenizer=None, model_name="m"))
+backend = "anyio._backends._asyncio"
+before = backend in sys.modules
+async def start():
+    async with app.router.lifespan_context(app):
+        return backend in sys.modules
+print(before, asyncio.run(start()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
