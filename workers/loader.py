@@ -205,4 +205,5 @@ def load_model(
         raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     quantize_model(model, quant_mode, path)  # after the check, like packing: weights go
     pack_weights(model)  # after the check: packed layers no longer list their weight
+    model.model.fuse_layers()  # holds the weights as packed
     return model, arch, torch_dtype

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedserve.kernels.decoder_layer import LayerWeights
 from pagedserve.parallel.linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -26,6 +27,7 @@ from pagedserve.workers.layers.attention import PagedAttention
 from pagedserve.workers.layers.norm import RMSNorm
 from pagedserve.workers.layers.rotary import RotaryEmbedding
 from pagedserve.workers.models.arch import ModelArch
+from pagedserve.workers.models.fused_layers import layer_weights, run_layers
 
 # checkpoint sub-name -> (our fused parameter, shard id)
 _STACKED = (
@@ -140,13 +142,18 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(arch, i, max_position, state, dcp) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Per layer, the compiled whole-layer call's arguments where it serves (fuse_layers).
+        self.fused: list[LayerWeights | None] = [None] * arch.num_layers
+
+    def fuse_layers(self) -> int:
+        """Take the compiled whole-layer path where it serves (after loading and packing:
+        it holds the weights as they are then). Returns how many layers take it."""
+        self.fused = [layer_weights(layer) for layer in self.layers]
+        return sum(w is not None for w in self.fused)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden]
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        x, residual = run_layers(self.layers, self.fused, positions, self.embed_tokens(input_ids))
         return self.norm(x, residual)
 
 

@@ -1,0 +1,104 @@
+"""One forward pass of the model, the compiled whole-layer call against the modules: per batch
+shape, the median time of a step with every layer taking ``kernels.decoder_layer`` and of the
+same step through the Python modules, alternated call by call in one process (so the machine's
+drift cancels), and their ratio. Nothing but the model's forward is timed: no scheduler, no
+sampling, no HTTP.
+
+Shapes: ``decode N`` is N sequences of one new token each after ``--context`` cached tokens;
+``prefill T`` one sequence of T new tokens from an empty cache.
+
+    python benchmarks/scripts/layer_step.py --model smollm2 --dtype bfloat16
+    python benchmarks/scripts/layer_step.py --model llama-22m --dtype float32 --out FILE.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.benchmarks.report import emit_table
+from pagedserve.kernels.cpu import cpu_ops
+from pagedserve.parallel.state import ParallelState
+from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
+from pagedserve.workers.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import model_dir  # noqa: E402
+
+BLOCK = 16
+
+
+def step_inputs(kind: str, n: int, context: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids, positions, slot_mapping, block_table, seq_lens, cu_seqlens_q) of one step;
+    sequence s owns blocks [s * per, (s + 1) * per) (block 0 stays the null block)."""
+    g = torch.Generator().manual_seed(n)
+    if kind == "decode":
+        lens, new = [context + 1] * n, [1] * n
+    else:
+        lens, new = [n], [n]
+    per = -(-max(lens) // BLOCK)
+    table = (torch.arange(len(lens) * per, dtype=torch.int32).view(len(lens), per) + 1)
+    positions = torch.cat([torch.arange(ln - q, ln) for ln, q in zip(lens, new, strict=True)])
+    seq_of = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(new))
+    slots = table[seq_of, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(new), 0)
+    ids = torch.randint(3, vocab, (int(cu[-1]),), generator=g)
+    return ids, positions, slots, table, torch.tensor(lens, dtype=torch.int32), cu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--context", type=int, default=128, help="cached tokens before a decode")
+    ap.add_argument("--shapes", default="decode:1,decode:8,decode:64,prefill:128")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    args = ap.parse_args()
+    if cpu_ops() is None:
+        sys.exit("the compiled CPU kernels did not build")
+    torch.manual_seed(0)
+    model, arch, dtype = load_model(model_dir(args.model), args.dtype, torch.device("cpu"),
+                                    ParallelState(), quantization="none")
+    layers = model.model
+    fused = list(layers.fused)
+    shapes = [(k, int(n)) for k, n in (s.split(":") for s in args.shapes.split(","))]
+    most = max(n if k == "decode" else 1 for k, n in shapes)
+    blocks = most * -(-(max(args.context + 1, max(n for _, n in shapes))) // BLOCK) + 1
+    d = arch.head_dim
+    for layer in layers.layers:
+        attn = layer.self_attn.attn
+        attn.kv_cache = torch.randn(blocks, 2, BLOCK, attn.num_kv_heads, d).to(dtype)
+    rows = [f"model `{args.model}`, {args.dtype}, {sum(w is not None for w in fused)} of "
+            f"{len(fused)} layers qualify, torch threads {torch.get_num_threads()}, context "
+            f"{args.context}; median of {args.reps} alternated calls", "",
+            "| step | modules (ms) | compiled layer (ms) | modules / compiled |",
+            "|---|---|---|---|"]
+    with torch.inference_mode():
+        for kind, n in shapes:
+            ids, pos, slots, table, lens, cu = step_inputs(kind, n, args.context, arch.vocab_size)
+            ctx = ForwardContext([AttentionMetadata(slots, table, lens, cu)])
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for i in range(2 * args.reps + 4):
+                on = i % 2 == 0
+                layers.fused = fused if on else [None] * len(fused)
+                ctx.groups[0].plans.clear()  # the modules' plans are per step
+                start = time.perf_counter()
+                with forward_context(ctx):
+                    model(ids, pos)
+                if i >= 4:  # the first calls warm each path
+                    times[on].append(time.perf_counter() - start)
+            off, on_ = statistics.median(times[False]), statistics.median(times[True])
+            rows.append(f"| {kind} {n} | {off * 1e3:.2f} | {on_ * 1e3:.2f} | {off / on_:.2f}x |")
+            print(rows[-1], flush=True)
+    emit_table("\n".join(rows) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+// One Llama-family decoder layer in one call: the same operators, in the same order, as the
+// Python modules of pagedserve/workers/models/llama.py run them (the norms, rotary, cache write
+// and paged attention of this library; the four projections through oneDNN's packed matmul or
+// at::linear), so the result is the modules' bit for bit. What it removes is the Python between
+// them: about fifteen module calls, wrapper checks and views a layer, which at decode batch
+// sizes cost as much as the arithmetic.
+//
+//   decoder_layer(x [T, H], residual [T, H] or None, positions [T] int64, cos, sin [P, D/2],
+//                 input_norm [H], post_norm [H], eps,
+//                 weights (qkv [Q+2K, H], o [H, Q], gate_up [2I, H], down [H, I]: each the
+//                 plain weight or its oneDNN-packed copy), packed (bit i: weights[i] is packed),
+//                 qkv_bias [Q+2K] or None, num_heads, num_kv_heads,
+//                 kv_cache [NB, 2, B, Hkv, D], slot_mapping [T], cu_seqlens_q [S+1],
+//                 seq_lens [S], block_table [S, max_blocks], scale, window (-1: none))
+//       -> (mlp_out [T, H], residual [T, H])
+//
+// As in the modules, the residual add of this layer's attention output happens inside the
+// second norm, and the MLP output is left for the next layer's first norm to add. Without a
+// residual (the first layer) x starts the residual stream and is updated in place later.
+// Every tensor is float32 or bfloat16 alike (cos/sin float32); the caller decides eligibility
+// (one rank, no quantized weights, a KV cache of the model's dtype, no long float32 prefill
+// rows; workers/models/fused_layers.py).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+namespace {
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using AddRmsNorm = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using Rotary = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&);
+using SiluAndMul = at::Tensor(const at::Tensor&);
+using ReshapeAndCache = void(const at::Tensor&, const at::Tensor&, at::Tensor&,
+                             const at::Tensor&);
+using PagedAttention = int64_t(const at::Tensor&, const at::Tensor&, at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                               int64_t, at::Tensor&, int64_t);
+using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, std::string_view,
+                                   c10::List<std::optional<at::Scalar>>,
+                                   std::optional<std::string_view>);
+
+// The handles, looked up once (the ops are registered when the library loads).
+struct Ops {
+  c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pagedserve_cpu::rms_norm");
+  c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm =
+      typed_op<AddRmsNorm>("pagedserve_cpu::add_rms_norm_");
+  c10::TypedOperatorHandle<Rotary> rotary = typed_op<Rotary>("pagedserve_cpu::rotary");
+  c10::TypedOperatorHandle<SiluAndMul> silu_and_mul =
+      typed_op<SiluAndMul>("pagedserve_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<ReshapeAndCache> reshape_and_cache =
+      typed_op<ReshapeAndCache>("pagedserve_cpu::reshape_and_cache");
+  c10::TypedOperatorHandle<PagedAttention> paged_attention =
+      typed_op<PagedAttention>("pagedserve_cpu::paged_attention");
+};
+
+const Ops& ops() {
+  static const Ops instance;
+  return instance;
+}
+
+// kernels/linear.py's `linear`: the packed weight through oneDNN, else at::linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool packed,
+                  const std::optional<at::Tensor>& bias) {
+  if (packed) {  // a packed weight exists only where torch has this op (kernels/linear.py)
+    static const auto op = typed_op<LinearPointwise>("mkldnn::_linear_pointwise");
+    return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                   std::string_view(""));
+  }
+  return at::linear(x, w, bias);
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    at::Tensor& x, const std::optional<at::Tensor>& residual_in,
+    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+    at::TensorList weights, int64_t packed, const std::optional<at::Tensor>& qkv_bias,
+    int64_t num_heads, int64_t num_kv_heads, at::Tensor& kv_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+    const at::Tensor& block_table, double scale, int64_t window) {
+  TORCH_CHECK(weights.size() == 4, "decoder_layer: weights are qkv, o, gate_up, down");
+  TORCH_CHECK(x.dim() == 2, "decoder_layer: x [T, H]");
+  const Ops& o = ops();
+  const int64_t t = x.size(0), d = kv_cache.size(4);
+  const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
+
+  at::Tensor residual;
+  at::Tensor h;
+  if (residual_in.has_value()) {
+    residual = *residual_in;
+    h = o.add_rms_norm.call(residual, x, input_norm, eps);
+  } else {
+    residual = x;  // the embedding starts the stream
+    h = o.rms_norm.call(x, input_norm, eps);
+  }
+
+  // Attention: q, k, v are views of the fused projection (unit stride in D).
+  const at::Tensor qkv = linear(h, weights[0], packed & 1, qkv_bias);  // [T, Q + 2K]
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, d});
+  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, d});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, d});
+  auto [qr, kr] = o.rotary.call(q, k, positions, cos, sin);  // contiguous
+  o.reshape_and_cache.call(kr, v, kv_cache, slot_mapping);
+  at::Tensor out = at::empty_like(qr);
+  at::Tensor no_lse = at::empty({0}, x.options().dtype(at::kFloat));
+  const int64_t bad = o.paged_attention.call(qr, kv_cache, out, cu_seqlens_q, seq_lens,
+                                             block_table, scale, window, no_lse, -1);
+  TORCH_CHECK(bad < 0, "decoder_layer: sequence ", bad,
+              " does not fit its block-table row or the pool");
+  const at::Tensor attn = linear(out.view({t, q_size}), weights[1], packed & 2, std::nullopt);
+
+  // MLP, after the residual add of the attention output.
+  h = o.add_rms_norm.call(residual, attn, post_norm, eps);
+  const at::Tensor gate_up = linear(h, weights[2], packed & 4, std::nullopt);
+  const at::Tensor act = o.silu_and_mul.call(gate_up);
+  return {linear(act, weights[3], packed & 8, std::nullopt), residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
+  lib.def(
+      "decoder_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor input_norm, Tensor post_norm, float eps, Tensor[] weights, int packed, "
+      "Tensor? qkv_bias, int num_heads, int num_kv_heads, Tensor(c!) kv_cache, "
+      "Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
+      "float scale, int window) -> (Tensor, Tensor)");
+  // A float32 weight packed by oneDNN is an MKLDNN tensor: the call then dispatches on it.
+  lib.impl("decoder_layer", c10::DispatchKey::CPU, decoder_layer);
+  lib.impl("decoder_layer", c10::DispatchKey::MkldnnCPU, decoder_layer);
+}
