@@ -24,9 +24,37 @@ from pagedserve.kernels.layer_ops import (
     rotary_ref,
     silu_and_mul_ref,
 )
+from pagedserve.kernels.quant_linear import (
+    GROUP_SIZE,
+    INT_MM_MIN_K,
+    WEIGHT_ONLY_ROWS,
+    Int4Weight,
+    Int8Weight,
+)
 from pagedserve.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
-__all__ = ["LayerWeights", "decoder_layer", "decoder_layer_ref"]
+__all__ = ["LayerWeights", "decoder_layer", "decoder_layer_ref", "projection"]
+
+# How a projection's weight is held, as csrc/decoder_layer_cpu.cpp's Kind numbers them.
+LINEAR_PLAIN, LINEAR_PACKED, LINEAR_INT8, LINEAR_INT8_DYNAMIC, LINEAR_INT4 = range(5)
+
+
+def projection(
+    weight: torch.Tensor | None, packed: torch.Tensor | None, quant: Int8Weight | Int4Weight | None
+) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """(kind, tensors) of one projection, held as ``parallel.linear`` holds it: its plain
+    weight, oneDNN-packed copy or quantized weight; the kernel chosen per call is the one
+    ``kernels.linear.linear`` or ``kernels.quant_linear.quantized_linear`` would choose."""
+    if isinstance(quant, Int8Weight):
+        dynamic = quant.dynamic and quant.qweight.shape[1] >= INT_MM_MIN_K
+        return (LINEAR_INT8_DYNAMIC if dynamic else LINEAR_INT8,
+                (quant.qweight, quant.scale, quant.col_scale))
+    if isinstance(quant, Int4Weight):
+        return LINEAR_INT4, (quant.packed, quant.scale_zeros)
+    if packed is not None:
+        return LINEAR_PACKED, (packed,)
+    assert weight is not None
+    return LINEAR_PLAIN, (weight,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +64,10 @@ class LayerWeights:
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
     eps: float
-    linears: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-    """qkv [Q + 2K, H], o [H, Q], gate_up [2I, H], down [H, I]: plain, or oneDNN-packed."""
-    packed: int  # bit i: linears[i] is a packed copy (``kernels.linear.pack_weight``)
+    linears: tuple[torch.Tensor, ...]
+    """The tensors of qkv [Q + 2K, H], o [H, Q], gate_up [2I, H], down [H, I] in turn, each
+    as ``projection`` gives them."""
+    kinds: tuple[int, int, int, int]
     qkv_bias: torch.Tensor | None  # [Q + 2K]
     num_heads: int
     num_kv_heads: int
@@ -65,7 +94,8 @@ def decoder_layer(
     try:
         return cpu_ops().decoder_layer(
             x, residual, positions, w.cos, w.sin, w.input_norm, w.post_norm, w.eps,
-            list(w.linears), w.packed, w.qkv_bias, w.num_heads, w.num_kv_heads, kv_cache,
+            list(w.linears), list(w.kinds), WEIGHT_ONLY_ROWS, GROUP_SIZE, w.qkv_bias,
+            w.num_heads, w.num_kv_heads, kv_cache,
             slot_mapping, cu_seqlens_q, seq_lens, block_table, w.scale,
             -1 if w.sliding_window is None else w.sliding_window)
     except RuntimeError as exc:  # the kernels' own checks; typed as the modules' errors are

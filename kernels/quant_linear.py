@@ -71,7 +71,7 @@ _N_MULTIPLE = 16  # the packing's N tiling (aten refuses other output sizes)
 # fall behind the int8 GEMM (benchmarks/scripts/int8_linear.py).
 WEIGHT_ONLY_ROWS = 4
 # _int_mm on the CPU returns wrong sums for K = 1 (torch 2.13); real layers are far wider.
-_INT_MM_MIN_K = 16
+INT_MM_MIN_K = 16
 
 
 class Int8Weight:
@@ -156,7 +156,7 @@ def int8_linear(
         return int8_linear_ref(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] <= WEIGHT_ONLY_ROWS or not weight.dynamic or k < _INT_MM_MIN_K:
+    if x2.shape[0] <= WEIGHT_ONLY_ROWS or not weight.dynamic or k < INT_MM_MIN_K:
         y = torch.ops.aten._weight_int8pack_mm(x2.to(compute_dtype), weight.qweight,
                                                weight.scale.to(compute_dtype)).to(x.dtype)
     else:

@@ -1,14 +1,15 @@
 // One Llama-family decoder layer in one call: the same operators, in the same order, as the
 // Python modules of pagedserve/workers/models/llama.py run them (the norms, rotary, cache write
-// and paged attention of this library; the four projections through oneDNN's packed matmul or
-// at::linear), so the result is the modules' bit for bit. What it removes is the Python between
+// and paged attention of this library; the four projections through oneDNN's packed matmul,
+// at::linear or the quantized kernels of kernels/quant_linear.py), so the result is the modules' bit for bit. What it removes is the Python between
 // them: about fifteen module calls, wrapper checks and views a layer, which at decode batch
 // sizes cost as much as the arithmetic.
 //
 //   decoder_layer(x [T, H], residual [T, H] or None, positions [T] int64, cos, sin [P, D/2],
 //                 input_norm [H], post_norm [H], eps,
-//                 weights (qkv [Q+2K, H], o [H, Q], gate_up [2I, H], down [H, I]: each the
-//                 plain weight or its oneDNN-packed copy), packed (bit i: weights[i] is packed),
+//                 weights, kinds (qkv [Q+2K, H], o [H, Q], gate_up [2I, H], down [H, I]: each
+//                 plain, oneDNN-packed, int8 or int4, held by one to three tensors),
+//                 weight_only_rows, group_size (the quantized kernels' settings),
 //                 qkv_bias [Q+2K] or None, num_heads, num_kv_heads,
 //                 kv_cache [NB, 2, B, Hkv, D], slot_mapping [T], cu_seqlens_q [S+1],
 //                 seq_lens [S], block_table [S, max_blocks], scale, window (-1: none))
@@ -18,8 +19,8 @@
 // second norm, and the MLP output is left for the next layer's first norm to add. Without a
 // residual (the first layer) x starts the residual stream and is updated in place later.
 // Every tensor is float32 or bfloat16 alike (cos/sin float32); the caller decides eligibility
-// (one rank, no quantized weights, a KV cache of the model's dtype, no long float32 prefill
-// rows; workers/models/fused_layers.py).
+// (one rank, a KV cache of the model's dtype, no long float32 prefill rows;
+// workers/models/fused_layers.py).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -47,6 +48,9 @@ using ReshapeAndCache = void(const at::Tensor&, const at::Tensor&, at::Tensor&,
 using PagedAttention = int64_t(const at::Tensor&, const at::Tensor&, at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                int64_t, at::Tensor&, int64_t);
+using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
+using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              at::ScalarType);
 using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, std::string_view,
                                    c10::List<std::optional<at::Scalar>>,
@@ -71,26 +75,71 @@ const Ops& ops() {
   return instance;
 }
 
-// kernels/linear.py's `linear`: the packed weight through oneDNN, else at::linear.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool packed,
-                  const std::optional<at::Tensor>& bias) {
-  if (packed) {  // a packed weight exists only where torch has this op (kernels/linear.py)
-    static const auto op = typed_op<LinearPointwise>("mkldnn::_linear_pointwise");
-    return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(),
-                   std::string_view(""));
+// How a projection's weight is held (kernels/decoder_layer.py's LINEAR_* constants), and how
+// many tensors of `weights` it takes.
+enum Kind : int64_t { kPlain = 0, kPacked = 1, kInt8 = 2, kInt8Dynamic = 3, kInt4 = 4 };
+
+int64_t tensors_of(int64_t kind) {
+  return kind == kInt8 || kind == kInt8Dynamic ? 3 : kind == kInt4 ? 2 : 1;
+}
+
+// One projection, as kernels/linear.py's `linear` and kernels/quant_linear.py's
+// `quantized_linear` compute it: w points at its tensors in `weights`.
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind,
+                  const std::optional<at::Tensor>& bias, int64_t weight_only_rows,
+                  int64_t group_size) {
+  at::Tensor y;
+  switch (kind) {
+    case kPlain:
+      return at::linear(x, w[0], bias);
+    case kPacked: {  // a packed weight exists only where torch has this op
+      static const auto op = typed_op<LinearPointwise>("mkldnn::_linear_pointwise");
+      return op.call(x, w[0], bias, "none", c10::List<std::optional<at::Scalar>>(),
+                     std::string_view(""));
+    }
+    case kInt8:
+    case kInt8Dynamic:  // w: qweight [N, K] int8, scale [N] bf16, col_scale [N] float32
+      if (kind == kInt8 || x.size(0) <= weight_only_rows) {
+        y = at::_weight_int8pack_mm(x.to(at::kBFloat16), w[0], w[1]).to(x.scalar_type());
+      } else {
+        static const auto quantize = typed_op<QuantizeRows>("pagedserve_cpu::quantize_rows_int8");
+        static const auto dequantize = typed_op<Dequantize>("pagedserve_cpu::dequantize_int32");
+        auto [q, row_scale] = quantize.call(x);
+        y = dequantize.call(at::_int_mm(q, w[0].t()).contiguous(), row_scale, w[2],
+                            x.scalar_type());
+      }
+      break;
+    case kInt4:  // w: packed codes, scale_zeros [groups, N, 2] bf16
+      y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[0], group_size, w[1])
+              .to(x.scalar_type());
+      break;
+    default:
+      TORCH_CHECK(false, "decoder_layer: unknown weight kind ", kind);
   }
-  return at::linear(x, w, bias);
+  return bias.has_value() ? y + *bias : y;
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     at::Tensor& x, const std::optional<at::Tensor>& residual_in,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-    at::TensorList weights, int64_t packed, const std::optional<at::Tensor>& qkv_bias,
+    at::TensorList weights, at::IntArrayRef kinds, int64_t weight_only_rows, int64_t group_size,
+    const std::optional<at::Tensor>& qkv_bias,
     int64_t num_heads, int64_t num_kv_heads, at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
     const at::Tensor& block_table, double scale, int64_t window) {
-  TORCH_CHECK(weights.size() == 4, "decoder_layer: weights are qkv, o, gate_up, down");
+  TORCH_CHECK(kinds.size() == 4, "decoder_layer: four projections: qkv, o, gate_up, down");
+  const at::Tensor* w[4];
+  size_t at_ = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    w[i] = weights.data() + at_;
+    at_ += tensors_of(kinds[i]);
+  }
+  TORCH_CHECK(at_ == weights.size(), "decoder_layer: ", weights.size(),
+              " weight tensors for these kinds, expected ", at_);
+  auto project = [&](const at::Tensor& x, int i, const std::optional<at::Tensor>& bias) {
+    return linear(x, w[i], kinds[i], bias, weight_only_rows, group_size);
+  };
   TORCH_CHECK(x.dim() == 2, "decoder_layer: x [T, H]");
   const Ops& o = ops();
   const int64_t t = x.size(0), d = kv_cache.size(4);
@@ -107,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   }
 
   // Attention: q, k, v are views of the fused projection (unit stride in D).
-  const at::Tensor qkv = linear(h, weights[0], packed & 1, qkv_bias);  // [T, Q + 2K]
+  const at::Tensor qkv = project(h, 0, qkv_bias);  // [T, Q + 2K]
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, d});
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, d});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, d});
@@ -119,13 +168,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
                                              block_table, scale, window, no_lse, -1);
   TORCH_CHECK(bad < 0, "decoder_layer: sequence ", bad,
               " does not fit its block-table row or the pool");
-  const at::Tensor attn = linear(out.view({t, q_size}), weights[1], packed & 2, std::nullopt);
+  const at::Tensor attn = project(out.view({t, q_size}), 1, std::nullopt);
 
   // MLP, after the residual add of the attention output.
   h = o.add_rms_norm.call(residual, attn, post_norm, eps);
-  const at::Tensor gate_up = linear(h, weights[2], packed & 4, std::nullopt);
+  const at::Tensor gate_up = project(h, 2, std::nullopt);
   const at::Tensor act = o.silu_and_mul.call(gate_up);
-  return {linear(act, weights[3], packed & 8, std::nullopt), residual};
+  return {project(act, 3, std::nullopt), residual};
 }
 
 }  // namespace
@@ -133,7 +182,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def(
       "decoder_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor cos, Tensor sin, "
-      "Tensor input_norm, Tensor post_norm, float eps, Tensor[] weights, int packed, "
+      "Tensor input_norm, Tensor post_norm, float eps, Tensor[] weights, int[] kinds, "
+      "int weight_only_rows, int group_size, "
       "Tensor? qkv_bias, int num_heads, int num_kv_heads, Tensor(c!) kv_cache, "
       "Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
       "float scale, int window) -> (Tensor, Tensor)");

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu as cpu_kernels
-from pagedserve.kernels.decoder_layer import LayerWeights, decoder_layer, decoder_layer_ref
+from pagedserve.kernels.decoder_layer import (
+    LayerWeights,
+    decoder_layer,
+    decoder_layer_ref,
+    projection,
+)
 from pagedserve.kernels.errors import KernelArgumentError
 from pagedserve.kernels.linear import pack_weight, packs
 
@@ -80,11 +85,12 @@ def test_the_compiled_layer_follows_float64(dtype, packed, window, first) -> Non
         pytest.skip(f"no packed {dtype} matmul on this CPU")
     c = _case(seed=3)
     want_out, want_res, want_cache = _run_ref(c, window, first)
-    lins = [w.to(dtype) for w in c["linears"]]
+    held = [projection(w.to(dtype), pack_weight(w.to(dtype)) if packed else None, None)
+            for w in c["linears"]]
     w = LayerWeights(
         input_norm=c["norms"][0].to(dtype), post_norm=c["norms"][1].to(dtype), eps=1e-6,
-        linears=tuple(pack_weight(x) for x in lins) if packed else tuple(lins),  # type: ignore[arg-type]
-        packed=0b1111 if packed else 0, qkv_bias=c["bias"].to(dtype), num_heads=HQ,
+        linears=tuple(t for _, ts in held for t in ts), kinds=tuple(k for k, _ in held),  # type: ignore[arg-type]
+        qkv_bias=c["bias"].to(dtype), num_heads=HQ,
         num_kv_heads=HKV, cos=c["cos"], sin=c["sin"], scale=D**-0.5, sliding_window=window)
     x = c["x"].to(dtype)
     residual = None if first else c["residual"].to(dtype)
@@ -104,7 +110,7 @@ def test_a_block_table_past_the_pool_is_a_typed_error() -> None:
     f = torch.float32
     w = LayerWeights(
         input_norm=c["norms"][0].to(f), post_norm=c["norms"][1].to(f), eps=1e-6,
-        linears=tuple(x.to(f) for x in c["linears"]), packed=0, qkv_bias=None,  # type: ignore[arg-type]
+        linears=tuple(x.to(f) for x in c["linears"]), kinds=(0, 0, 0, 0), qkv_bias=None,
         num_heads=HQ, num_kv_heads=HKV, cos=c["cos"], sin=c["sin"], scale=D**-0.5,
         sliding_window=None)
     with pytest.raises(KernelArgumentError, match="sequence 2"):

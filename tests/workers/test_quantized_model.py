@@ -196,3 +196,23 @@ def test_serve_flag_reaches_the_config() -> None:
     assert parser.parse_args([]).quantization == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("source", ["int8", "gguf"])
+def test_quantized_layers_take_the_compiled_call_bit_for_bit(source, dtype, ckpt: Path,
+                                                              converted: Path) -> None:
+    """The compiled whole-layer call runs the quantized kernels the modules run (int8 weight-only
+    at a few rows and dynamic above; the GGUF file's Q4_0, Q4_1 and Q8_0 blocks beside a plain
+    projection), with the same result."""
+    from helpers.one_step import forward_both
+
+    from pagedserve.kernels.cpu import cpu_ops
+
+    if cpu_ops() is None:
+        pytest.skip("no compiled CPU kernels")
+    path, quantization = (ckpt, "int8") if source == "int8" else (converted, "auto")
+    model, arch, _ = load_model(path, dtype, CPU, ParallelState(0, 1), quantization=quantization)
+    assert all(w is not None for w in model.model.fused)
+    for modules, compiled in forward_both(model, arch.vocab_size):
+        assert torch.equal(modules, compiled)

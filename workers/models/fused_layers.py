@@ -2,11 +2,12 @@
 the layers that takes that call where it serves and the modules everywhere else.
 
 A layer qualifies once, after loading (``fuse_layers``): on the CPU with the compiled library,
-float32 or bfloat16, one rank (no tensor or context parallelism), no quantized projection, and
-none of the variants the call does not carry (per-head q/k norms, biases on the output or MLP
-projections). A step then takes the call per layer when that layer's KV cache is of the model's
-dtype and unscaled, and, in float32, when no sequence brings more than ``SMALL_Q`` new tokens
-(those prefill rows run through the attention's batched-GEMM path, which the modules choose).
+float32 or bfloat16, one rank (no tensor or context parallelism), plain, packed or quantized
+(int8, GGUF int4) projections alike, and none of the variants the call does not carry
+(per-head q/k norms, biases on the output or MLP projections). A step then takes the call per
+layer when that layer's KV cache is of the model's dtype and unscaled, and, in float32, when no
+sequence brings more than ``SMALL_Q`` new tokens (those prefill rows run through the
+attention's batched-GEMM path, which the modules choose).
 Either way the layer computes the same thing, so the two may alternate freely.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from pagedserve.kernels import SMALL_Q
 from pagedserve.kernels.cpu import COMPILED_DTYPES, cpu_ops
-from pagedserve.kernels.decoder_layer import LayerWeights, decoder_layer
+from pagedserve.kernels.decoder_layer import LayerWeights, decoder_layer, projection
 from pagedserve.workers.context import get_forward_context
 
 # A ``LlamaDecoderLayer`` (typed loosely: that module imports this one).
@@ -34,16 +35,15 @@ def layer_weights(layer: DecoderLayer) -> LayerWeights | None:
     norm = layer.input_layernorm.weight
     if (norm.device.type != "cpu" or norm.dtype not in COMPILED_DTYPES or cpu_ops() is None
             or attn.qkv_proj.state.size != 1 or attn.attn.dcp.size != 1
-            or attn.q_norm is not None or any(lin.quant is not None for lin in linears)
-            or any(lin.bias is not None for lin in linears[1:])):
+            or attn.q_norm is not None or any(lin.bias is not None for lin in linears[1:])):
         return None
+    held = [projection(lin.weight, lin.packed, lin.quant) for lin in linears]
     return LayerWeights(
         input_norm=norm,
         post_norm=layer.post_attention_layernorm.weight,
         eps=layer.input_layernorm.eps,
-        linears=tuple(lin.weight if lin.packed is None else lin.packed  # type: ignore[arg-type]
-                      for lin in linears),
-        packed=sum(1 << i for i, lin in enumerate(linears) if lin.packed is not None),
+        linears=tuple(t for _kind, tensors in held for t in tensors),
+        kinds=tuple(kind for kind, _tensors in held),  # type: ignore[arg-type]
         qkv_bias=attn.qkv_proj.bias,
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,
