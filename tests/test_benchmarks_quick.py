@@ -129,3 +129,24 @@ def test_a_rerun_rewrites_only_its_own_section(tmp_path: Path) -> None:
     assert "second" in text and "first" not in text
     assert text.index("## A") < text.index("## B") < text.index("notes by hand")
     assert text.count("<!-- begin a -->") == 1 and "one" in text
+
+
+def test_layer_step_and_single_stream_quick(tmp_path: Path) -> None:
+    """The forward pass timed both ways (compiled layers, modules) on the demo checkpoint, and
+    one request's decode and prefill through the in-process engine, with the memory roof."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    cmd = [sys.executable, str(BENCHMARKS / "layer_step.py"), "--model", "demo", "--dtype",
+           "float32", "--shapes", "decode:2,prefill:8", "--reps", "2", "--context", "8"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "4 of 4 layers qualify" in proc.stdout
+    assert "| decode 2 |" in proc.stdout and "| prefill 8 |" in proc.stdout
+    cmd = [sys.executable, str(BENCHMARKS / "single_stream.py"), "--model", "demo", "--dtype",
+           "float32", "--engines", "pagedserve-local", "--prompt", "16", "--new", "8",
+           "--repeats", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "| pagedserve-local |" in proc.stdout
+    assert "llama.cpp: skipped" in proc.stdout

@@ -1,0 +1,204 @@
+"""One request at a time: batch-1 decode and a 128-token prefill, against the memory roof.
+
+Per engine, in a fresh process each: one prompt of ``--prompt`` random token ids, generated
+greedily to 1 new token (the prefill, ``pp``) and to ``--new`` new tokens with ``ignore_eos``
+(``tg``: the tokens after the first, over the time the longer run took beyond the shorter),
+best of ``--repeats``. Engines:
+
+  pagedserve        ``LLM()`` on Ray (controller and worker actors)
+  pagedserve-local  the engine in the benchmark's process
+  base, base-local  the same from ``--baseline-venv`` (another checkout installed there)
+  vllm              vLLM's CPU build from ``--vllm-venv``, its worker bound to every core
+  llama.cpp         ``llama-bench -p PROMPT -n NEW`` from ``--llama-bench`` on ``--llama-model``
+                    (a GGUF of the same weights at the same dtype); skipped without them
+
+The memory roof: at batch 1 a decode step reads every weight once, so tokens/s x the model's
+weight bytes at the dtype is the bandwidth it implies; the table gives it against a read
+bandwidth probe run in this same script (a sum over a buffer far larger than the caches).
+
+    python benchmarks/scripts/single_stream.py --model smollm2 --dtype bfloat16
+    python benchmarks/scripts/single_stream.py --vllm-venv /path/to/vllm-venv --out FILE.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from peers import model_dir  # noqa: E402
+
+from pagedserve.benchmarks.report import emit_table  # noqa: E402
+
+
+def read_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of a float32 sum over ``mb`` MiB, best of ``repeats``, in GB/s."""
+    import torch
+
+    x = torch.ones(mb * 2**20 // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes(mdir: Path, dtype: str) -> int:
+    """The bytes a batch-1 decode step reads: every parameter but the input embedding (one row
+    of it is read; a tied LM head reads the table once, as the head)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(mdir))
+    emb = m.get_input_embeddings().weight
+    n = sum(p.numel() for p in m.parameters())  # tied weights are listed once
+    tied = m.get_output_embeddings().weight is emb
+    per = 2 if dtype == "bfloat16" else 4
+    return (n - (0 if tied else emb.numel())) * per
+
+
+# -- one engine, in its own process ------------------------------------------------------------
+
+def child_pagedserve(args: argparse.Namespace) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(args.model_dir, backend=args.backend, dtype=args.dtype,
+              quantization=args.quantization)
+    try:
+        prompt = json.loads(args.prompt_ids)
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        many = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
+        llm.generate([prompt], many, use_tqdm=False)  # warm-up
+        pp = min(_timed(lambda: llm.generate([prompt], one, use_tqdm=False))
+                 for _ in range(args.repeats))
+        tg = min(_timed(lambda: llm.generate([prompt], many, use_tqdm=False))
+                 for _ in range(args.repeats))
+        return {"pp_s": pp, "tg_s": tg}
+    finally:
+        llm.shutdown()
+
+
+VLLM_CHILD = """
+import json, os, sys, time
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+a = json.loads(sys.argv[1])
+llm = LLM(a["model"], dtype=a["dtype"], enforce_eager=True, max_model_len=1024,
+          skip_tokenizer_init=True, seed=0)
+p = [{"prompt_token_ids": a["prompt"]}]
+one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+many = SamplingParams(max_tokens=a["new"], temperature=0.0, ignore_eos=True, detokenize=False)
+llm.generate(p, many, use_tqdm=False)
+def t(sp):
+    s = time.perf_counter(); llm.generate(p, sp, use_tqdm=False); return time.perf_counter() - s
+print("RESULT", json.dumps({"pp_s": min(t(one) for _ in range(a["repeats"])),
+                            "tg_s": min(t(many) for _ in range(a["repeats"]))}))
+"""
+
+
+def run_engine(engine: str, args: argparse.Namespace, mdir: Path, prompt: list[int],
+               cwd: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": ""}
+    if engine == "vllm":
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        payload = json.dumps({"model": str(mdir), "dtype": args.dtype, "prompt": prompt,
+                              "new": args.new, "repeats": args.repeats})
+        cmd = [str(Path(args.vllm_venv) / "bin" / "python"), "-c", VLLM_CHILD, payload]
+    else:
+        py = Path(args.baseline_venv) / "bin" / "python" if engine.startswith("base") else None
+        cmd = [str(py or sys.executable), str(Path(__file__).resolve()), "--child",
+               "--model-dir", str(mdir), "--dtype", args.dtype, "--new", str(args.new),
+               "--repeats", str(args.repeats), "--quantization", args.quantization,
+               "--backend", "local" if engine.endswith("local") else "ray",
+               "--prompt-ids", json.dumps(prompt)]
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=True)
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def run_llama_bench(args: argparse.Namespace) -> dict | None:
+    if not (args.llama_bench and args.llama_model):
+        print("llama.cpp: skipped (give --llama-bench PATH and --llama-model FILE.gguf)")
+        return None
+    out = subprocess.run([args.llama_bench, "-m", args.llama_model, "-p", str(args.prompt),
+                          "-n", str(args.new), "-t", str(os.cpu_count()), "-o", "json"],
+                         capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    return {"pp_tok_s": pp, "tg_tok_s": tg}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default="none",
+                    help="pagedserve's (none: the checkpoint's weights, as the peers load them)")
+    ap.add_argument("--engines", default="pagedserve,pagedserve-local")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vllm-venv")
+    ap.add_argument("--baseline-venv")
+    ap.add_argument("--llama-bench")
+    ap.add_argument("--llama-model")
+    ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT", json.dumps(child_pagedserve(args)), flush=True)
+        return
+    engines = args.engines.split(",")
+    engines += ["vllm"] if args.vllm_venv else []
+    engines += ["base", "base-local"] if args.baseline_venv else []
+    mdir = model_dir(args.model)
+    import random
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(mdir).vocab_size
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, vocab) for _ in range(args.prompt)]  # ids 0-2: special
+    roof = read_bandwidth_gbs()
+    wbytes = weight_bytes(mdir, args.dtype)
+    rows = [f"model `{args.model}`, {args.dtype} (pagedserve quantization {args.quantization}), "
+            f"one request: {args.prompt}-token prompt, {args.new} new tokens, greedy, best of "
+            f"{args.repeats}; weights read per decode step {wbytes / 1e6:.0f} MB; read "
+            f"bandwidth probe {roof:.1f} GB/s", "",
+            "| engine | decode tok/s | ms/token | implied GB/s | share of the probe | "
+            "prefill tok/s (pp) |", "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as cwd:
+        for engine in engines:
+            r = run_engine(engine, args, mdir, prompt, cwd)
+            tg = (args.new - 1) / (r["tg_s"] - r["pp_s"])
+            rows.append(f"| {engine} | {tg:.1f} | {1e3 / tg:.1f} | {tg * wbytes / 1e9:.1f} | "
+                        f"{tg * wbytes / 1e9 / roof:.0%} | {args.prompt / r['pp_s']:.0f} |")
+            print(rows[-1], flush=True)
+    lc = run_llama_bench(args)
+    if lc is not None:
+        tg = lc["tg_tok_s"]
+        rows.append(f"| llama.cpp | {tg:.1f} | {1e3 / tg:.1f} | {tg * wbytes / 1e9:.1f} | "
+                    f"{tg * wbytes / 1e9 / roof:.0%} | {lc['pp_tok_s']:.0f} |")
+    emit_table("\n".join(rows) + "\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
