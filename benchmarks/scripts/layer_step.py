@@ -9,6 +9,11 @@ Shapes: ``decode N`` is N sequences of one new token each after ``--context`` ca
 
     python benchmarks/scripts/layer_step.py --model smollm2 --dtype bfloat16
     python benchmarks/scripts/layer_step.py --model llama-22m --dtype float32 --out FILE.md
+    python benchmarks/scripts/layer_step.py --profile   # also: each shape's operators, by time
+
+``--profile`` adds, per shape, torch.profiler's self time per operator over five forward passes
+through the compiled layers (the matmuls, paged attention and the pointwise kernels each show
+under their own name, called from the layer's C++).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="decode:1,decode:8,decode:64,prefill:128")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    ap.add_argument("--profile", action="store_true", help="each shape's operators, by time")
     args = ap.parse_args()
     if cpu_ops() is None:
         sys.exit("the compiled CPU kernels did not build")
@@ -97,6 +103,14 @@ def main() -> None:
             off, on_ = statistics.median(times[False]), statistics.median(times[True])
             rows.append(f"| {kind} {n} | {off * 1e3:.2f} | {on_ * 1e3:.2f} | {off / on_:.2f}x |")
             print(rows[-1], flush=True)
+            if args.profile:
+                layers.fused = fused
+                with torch.profiler.profile() as prof:
+                    for _ in range(5):
+                        with forward_context(ctx):
+                            model(ids, pos)
+                print(f"{kind} {n}, compiled layers, self time per operator:")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
     emit_table("\n".join(rows) + "\n", args.out)
 
 
