@@ -1,9 +1,12 @@
 // One Llama-family decoder layer in one call: the same operators, in the same order, as the
 // Python modules of pagedserve/workers/models/llama.py run them (the norms, rotary, cache write
 // and paged attention of this library; the four projections through oneDNN's packed matmul,
-// at::linear or the quantized kernels of kernels/quant_linear.py), so the result is the modules' bit for bit. What it removes is the Python between
-// them: about fifteen module calls, wrapper checks and views a layer, which at decode batch
-// sizes cost as much as the arithmetic.
+// at::linear or the quantized kernels of kernels/quant_linear.py), so the result is the
+// modules' bit for bit. What it removes is the Python between them: about fifteen module
+// calls, wrapper checks and views a layer, which at decode batch sizes cost as much as the
+// arithmetic. The choice between int8 weight-only and dynamic activations repeats
+// kernels/quant_linear.py's int8_linear (rows against weight_only_rows); the bit-for-bit tests
+// in tests/workers/test_quantized_model.py hold the two together.
 //
 //   decoder_layer(x [T, H], residual [T, H] or None, positions [T] int64, cos, sin [P, D/2],
 //                 input_norm [H], post_norm [H], eps,
@@ -129,14 +132,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
     const at::Tensor& block_table, double scale, int64_t window) {
   TORCH_CHECK(kinds.size() == 4, "decoder_layer: four projections: qkv, o, gate_up, down");
-  const at::Tensor* w[4];
-  size_t at_ = 0;
+  const at::Tensor* w[4];  // each projection's first tensor in `weights`
+  size_t used = 0;
   for (size_t i = 0; i < 4; ++i) {
-    w[i] = weights.data() + at_;
-    at_ += tensors_of(kinds[i]);
+    w[i] = weights.data() + used;
+    used += tensors_of(kinds[i]);
   }
-  TORCH_CHECK(at_ == weights.size(), "decoder_layer: ", weights.size(),
-              " weight tensors for these kinds, expected ", at_);
+  TORCH_CHECK(used == weights.size(), "decoder_layer: ", weights.size(),
+              " weight tensors for these kinds, expected ", used);
   auto project = [&](const at::Tensor& x, int i, const std::optional<at::Tensor>& bias) {
     return linear(x, w[i], kinds[i], bias, weight_only_rows, group_size);
   };
