@@ -9,8 +9,14 @@
 // sequence of L tokens, q_len of them new, sits at position L - q_len + i and sees the keys at
 // positions p <= pos (and p > pos - window when window >= 1; -1: no window). Math is float32
 // whatever the storage: q, out and the cache are float32 or bfloat16 (q and out alike; the cache
-// bf16 under a float32 q too), every bf16 element widened in registers as it is read (bf16.h),
-// the scores, the running softmax and the accumulators float32, the output rounded once.
+// bf16 under a float32 q too), every bf16 element widened in registers as it is read (bf16.h)
+// or, a bf16 q against a bf16 key, multiplied pairwise by vdpbf16ps (exact products, float32
+// sums), the scores, the running softmax and the accumulators float32, the output rounded once.
+//
+// Two paths compute this. Where the build targets AVX-512 and D is 32, 64 or 128, attend_rows
+// takes every item: sixteen keys per register (keys16.h), up to four query rows at a time with
+// their accumulators in registers. Elsewhere `attend` does, in plain C++ that the compiler
+// vectorises for whatever the target has.
 //
 // Layouts: q and out [T, H_q, D] with unit stride in D; kv_cache [num_blocks, 2, B, H_kv, D]
 // contiguous; block_table [S, max_blocks] int32 contiguous; lse [T, H_q] float32 or empty.
@@ -29,6 +35,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "keys16.h"
 #include "vec_exp.h"
 
 namespace {
@@ -240,6 +247,159 @@ void attend(const Args<Q, KV>& a, const Item& it, Scratch& scr) {
   }
 }
 
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, x);
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) t[i] = vec_exp(t[i]);
+  return _mm512_load_ps(t);
+}
+
+// Rows r0 .. r0 + R of an item (row r: new token r / G, head r % G of the kv head's group),
+// sixteen keys at a time (keys16.h): scores as one register per row, the running softmax on
+// it, then P V with each value row widened once for all R rows. The accumulators, R * D / 16
+// registers, stay in registers across the whole context.
+template <int D, int R, typename Q, typename KV>
+void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
+  using pagedserve::keys16::load16;
+  using pagedserve::keys16::scores16;
+  constexpr int C = D / 16;
+  const int64_t g_n = a.group, bs = a.block, row_stride = a.hkv * D;
+  const int64_t tok0 = a.cu[it.seq], q_len = a.cu[it.seq + 1] - tok0;
+  const int64_t ctx = a.lens[it.seq] - q_len;  // position of new token 0
+  const Q* qrow[R];
+  int64_t pos[R], tok[R], head[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t qi = (r0 + r) / g_n;
+    tok[r] = tok0 + it.q_begin + qi;
+    pos[r] = ctx + it.q_begin + qi;
+    head[r] = it.kv_head * g_n + (r0 + r) % g_n;
+    qrow[r] = a.q + tok[r] * a.q_st + head[r] * a.q_sh;
+  }
+  // A float32 query scores straight from q; a bf16 one over a bf16 cache by vdpbf16ps where the
+  // machine has it, else widened once here.
+#if defined(__AVX512BF16__)
+  constexpr bool widen_q = !std::is_same_v<Q, float> && !std::is_same_v<KV, bf16>;
+#else
+  constexpr bool widen_q = !std::is_same_v<Q, float>;
+#endif
+  alignas(64) float qf[widen_q ? R : 1][D];
+  if constexpr (widen_q) {
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < D; ++i) qf[r][i] = load(qrow[r][i]);
+    }
+  }
+  __m512 acc[R][C];
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    m[r] = kNegInf;
+    l[r] = 0.f;
+  }
+  const __m512 scale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t hi = pos[R - 1] + 1;  // rows go by position: the last sees the most
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos[0] - a.window + 1) : 0;
+  const int32_t* blocks = a.table + it.seq * a.max_blocks;
+  alignas(64) float p[R][16];
+  for (int64_t b = lo / bs; b * bs < hi; ++b) {
+    const KV* kb = a.kv + (static_cast<int64_t>(blocks[b]) * 2 * bs) * row_stride +
+                   it.kv_head * D;
+    const KV* vb = kb + bs * row_stride;
+    const int64_t end = std::min(hi, b * bs + bs);
+    for (int64_t j0 = std::max(lo, b * bs); j0 < end; j0 += 16) {
+      const int64_t nj = std::min<int64_t>(16, end - j0);
+      const KV* kj = kb + (j0 - b * bs) * row_stride;
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j0)));
+      const __mmask16 in_chunk = static_cast<__mmask16>((1u << nj) - 1u);
+      for (int r = 0; r < R; ++r) {
+        __mmask16 ok = in_chunk & _mm512_cmple_epi32_mask(
+                                      key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
+        if (a.window > 0) {
+          ok &= _mm512_cmpgt_epi32_mask(
+              key, _mm512_set1_epi32(static_cast<int32_t>(pos[r] - a.window)));
+        }
+        if (ok == 0) {
+          _mm512_store_ps(p[r], _mm512_setzero_ps());
+          continue;
+        }
+        __m512 s;
+        if constexpr (widen_q) {
+          s = scores16<D>(qf[r], kj, row_stride, nj);
+        } else {
+          s = scores16<D>(qrow[r], kj, row_stride, nj);
+        }
+        s = _mm512_mask_blend_ps(ok, neg_inf, _mm512_mul_ps(s, scale));
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(s));
+        if (m_new != m[r]) {  // rescale what was summed under the old maximum
+          const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+          const __m512 cv = _mm512_set1_ps(corr);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
+          l[r] *= corr;
+          m[r] = m_new;
+        }
+        const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+        _mm512_store_ps(p[r], e);
+        l[r] += _mm512_reduce_add_ps(e);
+      }
+      const KV* vj = vb + (j0 - b * bs) * row_stride;
+      for (int64_t j = 0; j < nj; ++j) {
+        for (int c = 0; c < C; ++c) {
+          const __m512 v = load16(vj + j * row_stride + 16 * c);
+          for (int r = 0; r < R; ++r) {
+            acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), v, acc[r][c]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Q* o = a.out + tok[r] * a.o_st + head[r] * a.o_sh;
+    const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+    alignas(64) float row[D];
+    for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+#pragma omp simd
+    for (int i = 0; i < D; ++i) o[i] = store<Q>(row[i]);
+    if (a.lse != nullptr) {
+      a.lse[tok[r] * (a.hkv * g_n) + head[r]] = l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
+    }
+  }
+}
+
+// An item's rows through attend_rows, at most four at a time (the accumulators of four rows
+// of D = 64 fill half the register file).
+template <int D, typename Q, typename KV>
+void attend_vec(const Args<Q, KV>& a, const Item& it) {
+  constexpr int kRows = D >= 128 ? 2 : 4;
+  const int64_t rows = (it.q_end - it.q_begin) * a.group;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    switch (std::min<int64_t>(kRows, rows - r0)) {
+      case 1: attend_rows<D, 1>(a, it, r0); break;
+      case 2: attend_rows<D, 2>(a, it, r0); break;
+      case 3: if constexpr (kRows > 2) attend_rows<D, 3>(a, it, r0); break;
+      default: if constexpr (kRows > 2) attend_rows<D, 4>(a, it, r0); break;
+    }
+  }
+}
+
+// Whether attend_vec takes this item; it returns false for what it leaves to attend.
+template <typename Q, typename KV>
+bool attend_fast(const Args<Q, KV>& a, const Item& it) {
+  switch (a.dim) {
+    case 64: attend_vec<64>(a, it); return true;
+    case 128: attend_vec<128>(a, it); return true;
+    case 32: attend_vec<32>(a, it); return true;
+    default: return false;
+  }
+}
+#else
+template <typename Q, typename KV>
+bool attend_fast(const Args<Q, KV>&, const Item&) {
+  return false;
+}
+#endif
+
 template <typename Q, typename KV>
 int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_t num_seqs,
             int64_t max_q_len) {
@@ -269,7 +429,9 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
   const int64_t n = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
     Scratch scratch;  // per thread, reused across items
-    for (int64_t i = next++; i < n; i = next++) attend(a, items[i], scratch);
+    for (int64_t i = next++; i < n; i = next++) {
+      if (!attend_fast(a, items[i])) attend(a, items[i], scratch);
+    }
   };
   int64_t work = 0;  // multiply-adds, roughly
   for (const Item& it : items) work += it.cost * a.group * a.dim * 2;

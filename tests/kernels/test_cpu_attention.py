@@ -38,6 +38,8 @@ CASES = [
     (16, 1, 2, 128, 40), (16, 4, 1, 64, None), (16, 8, 2, 128, 5),
     (32, 1, 1, 64, 5), (32, 4, 2, 128, None), (32, 8, 1, 64, 40),
     (16, 3, 2, 72, 9), (8, 16, 1, 100, None),  # odd group and head dims
+    # head dim 32, blocks of 64 (four 16-key chunks each) and of 4 (a chunk ends each block)
+    (64, 2, 2, 32, 23), (4, 3, 1, 32, None),
 ]
 
 
