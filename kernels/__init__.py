@@ -48,7 +48,6 @@ from pagedserve.kernels.kv_quant import (
 )
 from pagedserve.kernels.merge import merge_attn_states as triton_merge_attn_states
 from pagedserve.kernels.reference import (
-    SMALL_Q,
     AttentionPlan,
     compute_dtype,
     copy_blocks_ref,
@@ -73,17 +72,16 @@ def _one_dtype(*tensors: torch.Tensor) -> bool:
 def _cached_plan(
     plans: dict[tuple, AttentionPlan], q: torch.Tensor, kv_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-    sliding_window: int | None, cp: CPLayout, long_only: bool,
+    sliding_window: int | None, cp: CPLayout,
 ) -> AttentionPlan:
     """The torch path's plan for this step's metadata, built by the first layer that asks."""
-    key = (sliding_window, cp, tuple(kv_cache.shape[2:]), q.shape[1], q.dtype, long_only)
+    key = (sliding_window, cp, tuple(kv_cache.shape[2:]), q.shape[1], q.dtype)
     plan = plans.get(key)
     if plan is None:
         plan = plans[key] = plan_paged_attention(
             cu_seqlens_q, seq_lens, block_table, block_size=kv_cache.shape[2],
             num_kv_heads=kv_cache.shape[3], num_q_heads=q.shape[1], head_dim=q.shape[2],
-            sliding_window=sliding_window, cp=cp, dtype=compute_dtype(q.dtype),
-            long_only=long_only)
+            sliding_window=sliding_window, cp=cp, dtype=compute_dtype(q.dtype))
     return plan
 
 
@@ -142,35 +140,22 @@ def paged_attention(
     # the torch reference below, which widens and scales on read.
     native_kv = _one_dtype(q, kv_cache, out) and k_scale == 1.0 == v_scale
     if cp.size == 1 and native_kv and compiled_for(q, kv_cache, out):
-        # Long query runs (prefill chunks) go through the torch path's batched GEMMs, which beat
-        # the kernel's per-row loops there in float32; the plan of those sequences is built once
-        # per step. Not in bf16: the torch path widens the gathered K/V to float32 and its GEMMs
-        # gain nothing, so the kernel, reading half the bytes, is 1.6-2.6x faster on a 200-token
-        # prefill (llama-22m shapes, ``benchmarks/scripts/cpu_kernels.py --dtype bfloat16``).
-        split = None
-        if plans is not None and not return_lse and q.dtype == torch.float32:
-            split = _cached_plan(plans, q, kv_cache, cu_seqlens_q, seq_lens, block_table,
-                                 sliding_window, cp, long_only=True)
-        long_rows = split is not None and len(split.launches) > 0
-        # The kernel checks its arguments itself (a Python check per layer costs more than a
-        # decode step's attention on a small model); the typed error comes from the same check
-        # the other paths run, once something is wrong.
+        # Prefill chunks too: the kernel's vectorised path is 1.3-2.5x the torch path's
+        # batched GEMMs on a 128-512-token prefill (SmolLM2 and llama-22m shapes, float32 and
+        # bf16). The kernel checks its arguments itself (a Python check per layer costs more
+        # than a decode step's attention on a small model); the typed error comes from the same
+        # check the other paths run, once something is wrong.
         try:
-            lse = cpu_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
-                                      softmax_scale, sliding_window, return_lse,
-                                      SMALL_Q if long_rows else -1)
+            return cpu_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
+                                       softmax_scale, sliding_window, return_lse)
         except RuntimeError:
             check_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                   softmax_scale, sliding_window, cp)
             raise
-        if long_rows:
-            paged_attention_ref(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
-                                softmax_scale, sliding_window=sliding_window, plan=split)
-        return lse
     plan = None
     if plans is not None:
         plan = _cached_plan(plans, q, kv_cache, cu_seqlens_q, seq_lens, block_table,
-                            sliding_window, cp, long_only=False)
+                            sliding_window, cp)
     return paged_attention_ref(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                softmax_scale, sliding_window=sliding_window, cp=cp,
                                return_lse=return_lse, plan=plan, k_scale=k_scale,

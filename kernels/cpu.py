@@ -113,18 +113,15 @@ def cpu_paged_attention(
     softmax_scale: float,
     sliding_window: int | None,
     return_lse: bool,
-    max_q_len: int = -1,
 ) -> torch.Tensor | None:
     """``paged_attention_ref``'s semantics without context parallelism, through the compiled
-    kernel (the caller has checked :func:`cpu_ops`). Returns the LSE ``[T_q, H_q]`` if asked.
-    ``max_q_len >= 0`` leaves the rows of sequences with more new tokens than that untouched."""
+    kernel (the caller has checked :func:`cpu_ops`). Returns the LSE ``[T_q, H_q]`` if asked."""
     ops = cpu_ops()
     lse = (torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
            if return_lse else torch.empty(0, dtype=torch.float32))
     bad = ops.paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens,
                               block_table.contiguous(), float(softmax_scale),
-                              -1 if sliding_window is None else int(sliding_window), lse,
-                              int(max_q_len))
+                              -1 if sliding_window is None else int(sliding_window), lse)
     if bad >= 0:
         q_len = int(cu_seqlens_q[bad + 1] - cu_seqlens_q[bad])
         raise KernelArgumentError(

@@ -210,11 +210,9 @@ def plan_paged_attention(
     sliding_window: int | None = None,
     cp: CPLayout = NO_CP,
     dtype: torch.dtype = torch.float32,
-    long_only: bool = False,
 ) -> AttentionPlan:
     """The plan ``paged_attention_ref`` follows for this metadata (``dtype`` is the compute dtype:
-    float64 for float64 inputs, float32 otherwise). ``long_only`` plans only the sequences with
-    more than ``SMALL_Q`` new tokens: the rows of the others are left to another kernel."""
+    float64 for float64 inputs, float32 otherwise)."""
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     lens = [int(x) for x in seq_lens.tolist()]
     for s in range(len(lens)):
@@ -232,8 +230,6 @@ def plan_paged_attention(
         if q_len == 0:
             continue
         if q_len <= SMALL_Q:
-            if long_only:
-                continue
             small.append((min(length, (sliding_window or length) + q_len) // cp.size + 1, s))
             continue
         chunk = max(1, _SCORE_BUDGET // max(1, hq * (length // cp.size + 1)))

@@ -50,7 +50,7 @@ using ReshapeAndCache = void(const at::Tensor&, const at::Tensor&, at::Tensor&,
                              const at::Tensor&);
 using PagedAttention = int64_t(const at::Tensor&, const at::Tensor&, at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                               int64_t, at::Tensor&, int64_t);
+                               int64_t, at::Tensor&);
 using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
 using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               at::ScalarType);
@@ -168,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor out = at::empty_like(qr);
   at::Tensor no_lse = at::empty({0}, x.options().dtype(at::kFloat));
   const int64_t bad = o.paged_attention.call(qr, kv_cache, out, cu_seqlens_q, seq_lens,
-                                             block_table, scale, window, no_lse, -1);
+                                             block_table, scale, window, no_lse);
   TORCH_CHECK(bad < 0, "decoder_layer: sequence ", bad,
               " does not fit its block-table row or the pool");
   const at::Tensor attn = project(out.view({t, q_size}), 1, std::nullopt);

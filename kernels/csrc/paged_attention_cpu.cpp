@@ -49,9 +49,12 @@ using pagedserve::store;
 constexpr int64_t kQueryTile = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// kv heads [kv_head, kv_head + kv_heads) of new tokens [q_begin, q_end) of one sequence; more
+// than one head only for a decode through the vectorised path (attend_heads).
 struct Item {
-  int64_t seq, kv_head, q_begin, q_end, cost;
+  int64_t seq, kv_head, kv_heads, q_begin, q_end, cost;
 };
+constexpr int64_t kMaxHeadsPerItem = 8;
 
 template <typename KV>
 inline float dot(const float* __restrict a, const KV* __restrict b, int64_t n) {
@@ -256,122 +259,182 @@ inline __m512 exp16(__m512 x) {
   return _mm512_load_ps(t);
 }
 
-// Rows r0 .. r0 + R of an item (row r: new token r / G, head r % G of the kv head's group),
-// sixteen keys at a time (keys16.h): scores as one register per row, the running softmax on
-// it, then P V with each value row widened once for all R rows. The accumulators, R * D / 16
-// registers, stay in registers across the whole context.
+// R query rows of one kv head (row r: new token r / G, head r % G of the group) and their
+// running softmax, fed sixteen keys at a time (keys16.h): scores as one register per row, the
+// softmax on it, then P V with each value row widened once for all R rows. The R * D / 16
+// accumulators are registers wherever the caller's loop keeps one Rows.
 template <int D, int R, typename Q, typename KV>
-void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
-  using pagedserve::keys16::load16;
-  using pagedserve::keys16::scores16;
-  constexpr int C = D / 16;
-  const int64_t g_n = a.group, bs = a.block, row_stride = a.hkv * D;
-  const int64_t tok0 = a.cu[it.seq], q_len = a.cu[it.seq + 1] - tok0;
-  const int64_t ctx = a.lens[it.seq] - q_len;  // position of new token 0
-  const Q* qrow[R];
-  int64_t pos[R], tok[R], head[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t qi = (r0 + r) / g_n;
-    tok[r] = tok0 + it.q_begin + qi;
-    pos[r] = ctx + it.q_begin + qi;
-    head[r] = it.kv_head * g_n + (r0 + r) % g_n;
-    qrow[r] = a.q + tok[r] * a.q_st + head[r] * a.q_sh;
-  }
+struct Rows {
+  static constexpr int C = D / 16;
   // A float32 query scores straight from q; a bf16 one over a bf16 cache by vdpbf16ps where the
   // machine has it, else widened once here.
 #if defined(__AVX512BF16__)
-  constexpr bool widen_q = !std::is_same_v<Q, float> && !std::is_same_v<KV, bf16>;
+  static constexpr bool widen_q = !std::is_same_v<Q, float> && !std::is_same_v<KV, bf16>;
 #else
-  constexpr bool widen_q = !std::is_same_v<Q, float>;
+  static constexpr bool widen_q = !std::is_same_v<Q, float>;
 #endif
+  const Q* q[R];
+  int64_t pos[R], tok[R], head[R];
   alignas(64) float qf[widen_q ? R : 1][D];
-  if constexpr (widen_q) {
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < D; ++i) qf[r][i] = load(qrow[r][i]);
-    }
-  }
   __m512 acc[R][C];
   float m[R], l[R];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    m[r] = kNegInf;
-    l[r] = 0.f;
-  }
-  const __m512 scale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(kNegInf);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const int64_t hi = pos[R - 1] + 1;  // rows go by position: the last sees the most
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos[0] - a.window + 1) : 0;
-  const int32_t* blocks = a.table + it.seq * a.max_blocks;
-  alignas(64) float p[R][16];
-  for (int64_t b = lo / bs; b * bs < hi; ++b) {
-    const KV* kb = a.kv + (static_cast<int64_t>(blocks[b]) * 2 * bs) * row_stride +
-                   it.kv_head * D;
-    const KV* vb = kb + bs * row_stride;
-    const int64_t end = std::min(hi, b * bs + bs);
-    for (int64_t j0 = std::max(lo, b * bs); j0 < end; j0 += 16) {
-      const int64_t nj = std::min<int64_t>(16, end - j0);
-      const KV* kj = kb + (j0 - b * bs) * row_stride;
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j0)));
-      const __mmask16 in_chunk = static_cast<__mmask16>((1u << nj) - 1u);
-      for (int r = 0; r < R; ++r) {
-        __mmask16 ok = in_chunk & _mm512_cmple_epi32_mask(
-                                      key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
-        if (a.window > 0) {
-          ok &= _mm512_cmpgt_epi32_mask(
-              key, _mm512_set1_epi32(static_cast<int32_t>(pos[r] - a.window)));
-        }
-        if (ok == 0) {
-          _mm512_store_ps(p[r], _mm512_setzero_ps());
-          continue;
-        }
-        __m512 s;
-        if constexpr (widen_q) {
-          s = scores16<D>(qf[r], kj, row_stride, nj);
-        } else {
-          s = scores16<D>(qrow[r], kj, row_stride, nj);
-        }
-        s = _mm512_mask_blend_ps(ok, neg_inf, _mm512_mul_ps(s, scale));
-        const float m_new = std::max(m[r], _mm512_reduce_max_ps(s));
-        if (m_new != m[r]) {  // rescale what was summed under the old maximum
-          const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
-          const __m512 cv = _mm512_set1_ps(corr);
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
-          l[r] *= corr;
-          m[r] = m_new;
-        }
-        const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
-        _mm512_store_ps(p[r], e);
-        l[r] += _mm512_reduce_add_ps(e);
+
+  void init(const Args<Q, KV>& a, const Item& it, int64_t kv_head, int64_t r0) {
+    const int64_t g_n = a.group, tok0 = a.cu[it.seq], q_len = a.cu[it.seq + 1] - tok0;
+    const int64_t ctx = a.lens[it.seq] - q_len;  // position of new token 0
+    for (int r = 0; r < R; ++r) {
+      const int64_t qi = (r0 + r) / g_n;
+      tok[r] = tok0 + it.q_begin + qi;
+      pos[r] = ctx + it.q_begin + qi;
+      head[r] = kv_head * g_n + (r0 + r) % g_n;
+      q[r] = a.q + tok[r] * a.q_st + head[r] * a.q_sh;
+      if constexpr (widen_q) {
+        for (int i = 0; i < D; ++i) qf[r][i] = load(q[r][i]);
       }
-      const KV* vj = vb + (j0 - b * bs) * row_stride;
-      for (int64_t j = 0; j < nj; ++j) {
-        for (int c = 0; c < C; ++c) {
-          const __m512 v = load16(vj + j * row_stride + 16 * c);
-          for (int r = 0; r < R; ++r) {
-            acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), v, acc[r][c]);
-          }
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+      m[r] = kNegInf;
+      l[r] = 0.f;
+    }
+  }
+
+  // Keys j0 .. j0 + nj (nj <= 16), their K rows from k and V rows from v, a.hkv * D apart.
+  __attribute__((always_inline)) inline void keys(const Args<Q, KV>& a, const KV* k,
+                                                  const KV* v, int64_t j0, int64_t nj) {
+    using pagedserve::keys16::load16;
+    using pagedserve::keys16::scores16;
+    const int64_t row_stride = a.hkv * D;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j0)));
+    const __mmask16 in_chunk = static_cast<__mmask16>((1u << nj) - 1u);
+    alignas(64) float p[R][16];
+    for (int r = 0; r < R; ++r) {
+      __mmask16 ok = in_chunk & _mm512_cmple_epi32_mask(
+                                    key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
+      if (a.window > 0) {
+        ok &= _mm512_cmpgt_epi32_mask(
+            key, _mm512_set1_epi32(static_cast<int32_t>(pos[r] - a.window)));
+      }
+      if (ok == 0) {
+        _mm512_store_ps(p[r], _mm512_setzero_ps());
+        continue;
+      }
+      __m512 s;
+      if constexpr (widen_q) {
+        s = scores16<D>(qf[r], k, row_stride, nj);
+      } else {
+        s = scores16<D>(q[r], k, row_stride, nj);
+      }
+      s = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegInf),
+                               _mm512_mul_ps(s, _mm512_set1_ps(a.scale)));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(s));
+      if (m_new != m[r]) {  // rescale what was summed under the old maximum
+        const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);
+        l[r] *= corr;
+        m[r] = m_new;
+      }
+      const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+      _mm512_store_ps(p[r], e);
+      l[r] += _mm512_reduce_add_ps(e);
+    }
+    for (int64_t j = 0; j < nj; ++j) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 vv = load16(v + j * row_stride + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, acc[r][c]);
         }
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    Q* o = a.out + tok[r] * a.o_st + head[r] * a.o_sh;
-    const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
-    alignas(64) float row[D];
-    for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+
+  void finish(const Args<Q, KV>& a) const {
+    for (int r = 0; r < R; ++r) {
+      Q* o = a.out + tok[r] * a.o_st + head[r] * a.o_sh;
+      const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+      alignas(64) float row[D];
+      for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[r][c], inv));
 #pragma omp simd
-    for (int i = 0; i < D; ++i) o[i] = store<Q>(row[i]);
-    if (a.lse != nullptr) {
-      a.lse[tok[r] * (a.hkv * g_n) + head[r]] = l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
+      for (int i = 0; i < D; ++i) o[i] = store<Q>(row[i]);
+      if (a.lse != nullptr) {
+        a.lse[tok[r] * (a.hkv * a.group) + head[r]] =
+            l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
+      }
+    }
+  }
+};
+
+// The key range [lo, hi) of a sequence in chunks of at most 16 keys within a block:
+// f(K of the chunk's first key at kv head 0, V the same, j0, nj).
+template <bool kPrefetch, typename Q, typename KV, typename F>
+__attribute__((always_inline)) inline void for_chunks(const Args<Q, KV>& a, int64_t seq,
+                                                      int64_t lo, int64_t hi, F&& f) {
+  const int64_t bs = a.block, row_stride = a.hkv * a.dim;
+  const int32_t* blocks = a.table + seq * a.max_blocks;
+  for (int64_t b = lo / bs; b * bs < hi; ++b) {
+    const KV* kb = a.kv + (static_cast<int64_t>(blocks[b]) * 2 * bs) * row_stride;
+    if (kPrefetch && (b + 1) * bs < hi) {  // the next block into L2 while this one computes
+      const char* next = reinterpret_cast<const char*>(
+          a.kv + (static_cast<int64_t>(blocks[b + 1]) * 2 * bs) * row_stride);
+      const int64_t bytes = 2 * bs * row_stride * static_cast<int64_t>(sizeof(KV));
+      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+    }
+    const int64_t end = std::min(hi, b * bs + bs);
+    for (int64_t j0 = std::max(lo, b * bs); j0 < end; j0 += 16) {
+      const KV* k = kb + (j0 - b * bs) * row_stride;
+      f(k, k + bs * row_stride, j0, std::min<int64_t>(16, end - j0));
     }
   }
 }
 
-// An item's rows through attend_rows, at most four at a time (the accumulators of four rows
-// of D = 64 fill half the register file).
+// Rows r0 .. r0 + R of one kv head's item, over all the keys they see.
+template <int D, int R, typename Q, typename KV>
+void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
+  Rows<D, R, Q, KV> rows;
+  rows.init(a, it, it.kv_head, r0);
+  const int64_t hi = rows.pos[R - 1] + 1;  // rows go by position: the last sees the most
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, rows.pos[0] - a.window + 1) : 0;
+  const int64_t off = it.kv_head * D;
+  for_chunks<false>(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj) {
+    rows.keys(a, k + off, v + off, j0, nj);
+  });
+  rows.finish(a);
+}
+
+// A decode over every kv head at once (R = G rows each): each block's K and V rows of all
+// heads, contiguous in the pool, are read together, a stream the hardware prefetcher follows,
+// where one head's rows are short runs a head's width apart.
+template <int D, int R, typename Q, typename KV>
+void attend_heads(const Args<Q, KV>& a, const Item& it) {
+  Rows<D, R, Q, KV> rows[kMaxHeadsPerItem];
+  for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].init(a, it, it.kv_head + h, 0);
+  const int64_t hi = rows[0].pos[0] + 1;
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, rows[0].pos[0] - a.window + 1) : 0;
+  for_chunks<true>(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj) {
+    for (int64_t h = 0; h < it.kv_heads; ++h) {
+      const int64_t off = (it.kv_head + h) * D;
+      rows[h].keys(a, k + off, v + off, j0, nj);
+    }
+  });
+  for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].finish(a);
+}
+
+template <int D>
+constexpr int kRowsAtOnce = D >= 128 ? 2 : 4;  // four rows of D = 64: half the register file
+
+// An item's rows: a decode over several heads through attend_heads, else at most
+// kRowsAtOnce rows at a time through attend_rows.
 template <int D, typename Q, typename KV>
 void attend_vec(const Args<Q, KV>& a, const Item& it) {
-  constexpr int kRows = D >= 128 ? 2 : 4;
+  constexpr int kRows = kRowsAtOnce<D>;
+  if (it.kv_heads > 1) {
+    switch (a.group) {
+      case 1: return attend_heads<D, 1>(a, it);
+      case 2: return attend_heads<D, 2>(a, it);
+      case 3: if constexpr (kRows > 2) return attend_heads<D, 3>(a, it); break;
+      default: if constexpr (kRows > 2) return attend_heads<D, 4>(a, it); break;
+    }
+  }
   const int64_t rows = (it.q_end - it.q_begin) * a.group;
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     switch (std::min<int64_t>(kRows, rows - r0)) {
@@ -380,6 +443,15 @@ void attend_vec(const Args<Q, KV>& a, const Item& it) {
       case 3: if constexpr (kRows > 2) attend_rows<D, 3>(a, it, r0); break;
       default: if constexpr (kRows > 2) attend_rows<D, 4>(a, it, r0); break;
     }
+  }
+}
+
+// Whether attend_vec serves this head dim and group; items it takes may span kv heads.
+inline bool vec_serves(int64_t dim, int64_t group) {
+  switch (dim) {
+    case 32: case 64: return group <= kRowsAtOnce<64>;
+    case 128: return group <= kRowsAtOnce<128>;
+    default: return false;
   }
 }
 
@@ -394,6 +466,8 @@ bool attend_fast(const Args<Q, KV>& a, const Item& it) {
   }
 }
 #else
+inline bool vec_serves(int64_t, int64_t) { return false; }
+
 template <typename Q, typename KV>
 bool attend_fast(const Args<Q, KV>&, const Item&) {
   return false;
@@ -401,12 +475,15 @@ bool attend_fast(const Args<Q, KV>&, const Item&) {
 #endif
 
 template <typename Q, typename KV>
-int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_t num_seqs,
-            int64_t max_q_len) {
+int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_t num_seqs) {
   std::vector<Item> items;
+  // Many sequences: a decode's kv heads go together (its blocks read as one stream), enough
+  // items are left for the threads to share.
+  const bool heads_together =
+      vec_serves(a.dim, a.group) && num_seqs >= 4 * at::get_num_threads();
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = a.cu[s + 1] - a.cu[s];
-    if (q_len == 0 || (max_q_len >= 0 && q_len > max_q_len)) continue;
+    if (q_len == 0) continue;
     if (a.cu[s] < 0 || a.cu[s + 1] > num_tokens) return s;
     const int64_t len = a.lens[s];
     if (q_len < 0 || q_len > len || len > a.max_blocks * a.block) return s;
@@ -419,12 +496,19 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
       const int64_t q1 = std::min(q_len, q0 + kQueryTile);
       const int64_t keys = a.lens[s] - q_len + q1;
       const int64_t cost = (q1 - q0) * (a.window > 0 ? std::min(keys, a.window + q1 - q0) : keys);
-      for (int64_t h = 0; h < a.hkv; ++h) items.push_back({s, h, q0, q1, cost});
+      const int64_t per_item = heads_together && q_len == 1 ? kMaxHeadsPerItem : 1;
+      for (int64_t h = 0; h < a.hkv; h += per_item) {
+        const int64_t heads = std::min(per_item, a.hkv - h);
+        items.push_back({s, h, heads, q0, q1, cost * heads});
+      }
     }
   }
   // Longest first, handed out one at a time: the threads finish together whatever the mix.
   std::sort(items.begin(), items.end(),
-            [](const Item& x, const Item& y) { return x.cost > y.cost; });
+            [](const Item& x, const Item& y) {
+              return x.cost != y.cost ? x.cost > y.cost
+                                      : (x.seq != y.seq ? x.seq < y.seq : x.kv_head < y.kv_head);
+            });
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
@@ -436,7 +520,8 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
   int64_t work = 0;  // multiply-adds, roughly
   for (const Item& it : items) work += it.cost * a.group * a.dim * 2;
   // Below ~64K multiply-adds (a single short decode) waking the other threads costs more.
-  const int64_t threads = work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t threads =
+      work < (int64_t{1} << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), n);
   if (threads <= 1) {
     worker(0, 1);
   } else {
@@ -445,15 +530,13 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
   return -1;
 }
 
-// Sequences with more than max_q_len new tokens (>= 0) are left alone: the caller attends
-// them otherwise (long prefills run faster through a GEMM-based path). -1: all of them.
 // Returns -1, or the first sequence whose metadata the kernel cannot follow (more new tokens
 // than its length, a length past its block-table row, a block id outside the pool): the caller
 // raises its typed error, and nothing was read or written.
 int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Tensor& out,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                      const at::Tensor& block_table, double scale, int64_t window,
-                     at::Tensor& lse, int64_t max_q_len) {
+                     at::Tensor& lse) {
   const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
   TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && out.scalar_type() == qt &&
                   (ct == qt || ct == at::kBFloat16),
@@ -492,16 +575,16 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
   if (qt == at::kFloat && ct == at::kFloat) {
     return run(make_args(q.data_ptr<float>(), kv_cache.data_ptr<float>(),
                          out.data_ptr<float>(), q, out, meta),
-               q.size(0), kv_cache.size(0), num_seqs, max_q_len);
+               q.size(0), kv_cache.size(0), num_seqs);
   }
   if (qt == at::kFloat) {
     return run(make_args(q.data_ptr<float>(), static_cast<const bf16*>(bf(kv_cache)),
                          out.data_ptr<float>(), q, out, meta),
-               q.size(0), kv_cache.size(0), num_seqs, max_q_len);
+               q.size(0), kv_cache.size(0), num_seqs);
   }
   return run(make_args(static_cast<const bf16*>(bf(q)), static_cast<const bf16*>(bf(kv_cache)),
                        bf(out), q, out, meta),
-             q.size(0), kv_cache.size(0), num_seqs, max_q_len);
+             q.size(0), kv_cache.size(0), num_seqs);
 }
 
 }  // namespace
@@ -509,7 +592,6 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
 TORCH_LIBRARY(pagedserve_cpu, lib) {
   lib.def(
       "paged_attention(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor cu_seqlens_q, "
-      "Tensor seq_lens, Tensor block_table, float scale, int window, Tensor(b!) lse, "
-      "int max_q_len) -> int");
+      "Tensor seq_lens, Tensor block_table, float scale, int window, Tensor(b!) lse) -> int");
   lib.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
 }

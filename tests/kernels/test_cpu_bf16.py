@@ -69,8 +69,7 @@ def test_bf16_attention_matches_float64(kh, block_size, group, h_kv, d, window) 
 @pytest.mark.parametrize("window", [None, 23])
 def test_bf16_long_prefill_and_engine_dispatch(kh, window) -> None:
     """Several 16-query tiles per sequence; and the dispatcher as the engine calls it (with the
-    step's plan cache: long query runs through the torch path, the rest through the kernel),
-    bf16 in and out, within the same bound."""
+    step's plan cache), bf16 in and out, within the same bound."""
     b = kh.make_batch([70, 45, 1], [70, 45 + 37, 130], 16, 2, 4, 64, dtype=BF16, seed=9)
     want_out, want_lse = kh.dense_attention(b, window)
     out, lse = _attend(b, b.q, window, BF16)

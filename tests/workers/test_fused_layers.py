@@ -77,10 +77,9 @@ def test_layers_it_does_not_carry_keep_the_modules(checkpoint_dir, stepper_modul
     w.shutdown()
 
 
-def test_float32_prefill_rows_take_the_modules(checkpoint_dir, stepper_module,
-                                                monkeypatch) -> None:
-    """A float32 step with a sequence of more than SMALL_Q new tokens runs the modules (their
-    attention sends those rows through batched GEMMs); a decode step takes the call."""
+def test_float32_prefill_takes_the_call(checkpoint_dir, stepper_module, monkeypatch) -> None:
+    """A float32 step with a 40-token prefill takes the call in every layer, as a decode
+    step does."""
     calls: list[int] = []
     real = fused_layers.decoder_layer
     monkeypatch.setattr(fused_layers, "decoder_layer",
@@ -96,8 +95,8 @@ def test_float32_prefill_rows_take_the_modules(checkpoint_dir, stepper_module,
     st = stepper_module.Stepper(w, layout, seed=3)
     st.add("long", list(range(3, 43)), 1, SamplingParams(temperature=0.0, max_tokens=1))
     st.run(budget=64)  # one 40-token prefill step, no decode
-    assert calls == []
+    assert len(calls) == 2
     st.add("short", list(range(3, 10)), 2, SamplingParams(temperature=0.0, max_tokens=2))
     st.run(budget=64)  # a 7-token prefill, then a decode
-    assert len(calls) == 2 * 2
+    assert len(calls) == 2 + 2 * 2
     w.shutdown()

@@ -5,10 +5,8 @@ A layer qualifies once, after loading (``fuse_layers``): on the CPU with the com
 float32 or bfloat16, one rank (no tensor or context parallelism), plain, packed or quantized
 (int8, GGUF int4) projections alike, and none of the variants the call does not carry
 (per-head q/k norms, biases on the output or MLP projections). A step then takes the call per
-layer when that layer's KV cache is of the model's dtype and unscaled, and, in float32, when no
-sequence brings more than ``SMALL_Q`` new tokens (those prefill rows run through the
-attention's batched-GEMM path, which the modules choose).
-Either way the layer computes the same thing, so the two may alternate freely.
+layer when that layer's KV cache is of the model's dtype and unscaled. Either way the layer
+computes the same thing, so the two may alternate freely.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels import SMALL_Q
 from pagedserve.kernels.cpu import COMPILED_DTYPES, cpu_ops
 from pagedserve.kernels.decoder_layer import LayerWeights, decoder_layer, projection
 from pagedserve.workers.context import get_forward_context
@@ -64,9 +61,6 @@ def run_layers(
     final norm."""
     ctx = get_forward_context()
     step_ok = any(w is not None for w in fused) and ctx.cp.size == 1
-    if step_ok and x.dtype == torch.float32:
-        cu = ctx.groups[0].cu_seqlens_q
-        step_ok = int((cu[1:] - cu[:-1]).max()) <= SMALL_Q
     residual: torch.Tensor | None = None
     for layer, w in zip(layers, fused, strict=True):
         pa = layer.self_attn.attn
