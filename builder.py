@@ -122,7 +122,8 @@ def start_engine(
     ``local``: the model inside the controller process, one rank only -- for tests).
     """
     if resolve_backend(config, backend) == "local":
-        return LocalEngineClient(EngineLoop(build_engine(config)), model_name(config))
+        # Built on the loop's thread, which then runs every step (see EngineLoop).
+        return LocalEngineClient(EngineLoop(lambda: build_engine(config)), model_name(config))
     from pagedserve.cluster.launch import ensure_ray, start_controllers
 
     # None means a fresh local instance even when a ``ray start`` cluster runs on this machine

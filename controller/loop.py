@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from pagedserve.controller.engine_core import EngineCore
@@ -58,9 +59,43 @@ _Command = tuple[Connection, AddRequest | AbortRequest] | tuple[Connection, None
 
 
 class EngineLoop:
-    """Runs an ``EngineCore`` on its own thread (see the module docstring)."""
+    """Runs an ``EngineCore`` on its own thread (see the module docstring).
 
-    def __init__(self, engine: EngineCore, *, idle_wait_s: float = 0.05) -> None:
+    Given a factory instead of a core, the loop's thread builds it, and the constructor
+    returns once it is built (raising what the build raised). An in-process engine is built
+    that way so that one thread does all of its torch work: on this project's CPU hosts, once
+    two threads of a process have run OpenMP regions, an op costs 2-3x on either of them
+    (``benchmarks/scripts/thread_cost.py``), and loading and warming the model on the caller's
+    thread made every later step pay that."""
+
+    def __init__(self, engine: EngineCore | Callable[[], EngineCore], *,
+                 idle_wait_s: float = 0.05) -> None:
+        if isinstance(engine, EngineCore):
+            self._start(engine, idle_wait_s)
+            return
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def build_then_run() -> None:
+            try:
+                core = engine()
+            except BaseException as exc:  # handed to the constructor, which raises it
+                failure.append(exc)
+                built.set()
+                return
+            self._start(core, idle_wait_s, thread=False)
+            built.set()
+            self._run()
+
+        thread = threading.Thread(target=build_then_run, name="pagedserve-engine", daemon=True)
+        thread.start()
+        built.wait()
+        if failure:
+            thread.join()
+            raise failure[0]
+        self._thread = thread
+
+    def _start(self, engine: EngineCore, idle_wait_s: float, thread: bool = True) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -74,8 +109,10 @@ class EngineLoop:
         self._queued_adds = 0  # adds submitted and not yet applied (any thread: under a lock)
         self._lock = threading.Lock()
         self._idle_checked = True  # the KV check of this idle spell has run
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="pagedserve-engine",
+                                            daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ any thread
     def submit(self, conn: Connection, msg: AddRequest | AbortRequest) -> None:

@@ -148,3 +148,42 @@ def test_the_loop_checks_the_kv_manager_once_per_idle_spell(kit) -> None:
         assert stats["kv_integrity_ok"] == 1
     finally:
         client.shutdown()
+
+
+def test_a_factory_is_built_and_stepped_on_the_loop_thread(kit) -> None:
+    """Given a factory, the loop's own thread builds the core and runs every step: one thread
+    does all of an in-process engine's torch work (two threads running OpenMP regions make
+    each op cost 2-3x on this project's CPU hosts)."""
+    threads: list[threading.Thread] = []
+
+    def build():
+        threads.append(threading.current_thread())
+        core = kit.make_engine().core
+        step = core.step
+
+        def stepped():
+            threads.append(threading.current_thread())
+            return step()
+
+        core.step = stepped
+        return core
+
+    client = LocalEngineClient(EngineLoop(build), "fake")
+    try:
+        sink = Collector()
+        add(client, "r", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), sink)
+        assert sink.done.wait(10)
+        assert len(sink.outputs[-1].outputs[0].token_ids) == 3
+        assert threads[0] is not threading.current_thread()
+        assert len(threads) >= 4 and all(t is threads[0] for t in threads)
+        assert client.is_healthy()
+    finally:
+        client.shutdown()
+
+
+def test_a_factory_that_fails_raises_from_the_constructor() -> None:
+    def build():
+        raise RuntimeError("no model here")
+
+    with pytest.raises(RuntimeError, match="no model here"):
+        EngineLoop(build)
