@@ -70,32 +70,29 @@ class EngineLoop:
 
     def __init__(self, engine: EngineCore | Callable[[], EngineCore], *,
                  idle_wait_s: float = 0.05) -> None:
-        if isinstance(engine, EngineCore):
-            self._start(engine, idle_wait_s)
-            return
+        build = (lambda: engine) if isinstance(engine, EngineCore) else engine
         built = threading.Event()
         failure: list[BaseException] = []
 
         def build_then_run() -> None:
             try:
-                core = engine()
+                self._start(build(), idle_wait_s)
             except BaseException as exc:  # handed to the constructor, which raises it
                 failure.append(exc)
-                built.set()
                 return
-            self._start(core, idle_wait_s, thread=False)
-            built.set()
+            finally:
+                built.set()
             self._run()
 
-        thread = threading.Thread(target=build_then_run, name="pagedserve-engine", daemon=True)
-        thread.start()
+        self._thread = threading.Thread(target=build_then_run, name="pagedserve-engine",
+                                        daemon=True)
+        self._thread.start()
         built.wait()
         if failure:
-            thread.join()
+            self._thread.join()
             raise failure[0]
-        self._thread = thread
 
-    def _start(self, engine: EngineCore, idle_wait_s: float, thread: bool = True) -> None:
+    def _start(self, engine: EngineCore, idle_wait_s: float) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -109,10 +106,6 @@ class EngineLoop:
         self._queued_adds = 0  # adds submitted and not yet applied (any thread: under a lock)
         self._lock = threading.Lock()
         self._idle_checked = True  # the KV check of this idle spell has run
-        if thread:
-            self._thread = threading.Thread(target=self._run, name="pagedserve-engine",
-                                            daemon=True)
-            self._thread.start()
 
     # ------------------------------------------------------------------ any thread
     def submit(self, conn: Connection, msg: AddRequest | AbortRequest) -> None:

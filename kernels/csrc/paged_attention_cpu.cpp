@@ -13,9 +13,9 @@
 // or, a bf16 q against a bf16 key, multiplied pairwise by vdpbf16ps (exact products, float32
 // sums), the scores, the running softmax and the accumulators float32, the output rounded once.
 //
-// Two paths compute this. Where the build targets AVX-512 and D is 32, 64 or 128, attend_rows
+// Two paths compute this. Where the build targets AVX-512 and D is 32, 64 or 128, attend_vec
 // takes every item: sixteen keys per register (keys16.h), up to four query rows at a time with
-// their accumulators in registers. Elsewhere `attend` does, in plain C++ that the compiler
+// their accumulators in registers, a decode's kv heads together when sequences are many. Elsewhere `attend` does, in plain C++ that the compiler
 // vectorises for whatever the target has.
 //
 // Layouts: q and out [T, H_q, D] with unit stride in D; kv_cache [num_blocks, 2, B, H_kv, D]
@@ -505,10 +505,7 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
   }
   // Longest first, handed out one at a time: the threads finish together whatever the mix.
   std::sort(items.begin(), items.end(),
-            [](const Item& x, const Item& y) {
-              return x.cost != y.cost ? x.cost > y.cost
-                                      : (x.seq != y.seq ? x.seq < y.seq : x.kv_head < y.kv_head);
-            });
+            [](const Item& x, const Item& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
