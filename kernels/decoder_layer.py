@@ -75,6 +75,9 @@ class LayerWeights:
     sin: torch.Tensor  # [P, D/2] float32
     scale: float
     sliding_window: int | None
+    hadamard: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """Per projection, the block of the Hadamard rotation its input takes first (0: none;
+    ``Int8Weight.hadamard``)."""
 
 
 def decoder_layer(
@@ -94,8 +97,8 @@ def decoder_layer(
     try:
         return cpu_ops().decoder_layer(
             x, residual, positions, w.cos, w.sin, w.input_norm, w.post_norm, w.eps,
-            list(w.linears), list(w.kinds), WEIGHT_ONLY_ROWS, GROUP_SIZE, w.qkv_bias,
-            w.num_heads, w.num_kv_heads, kv_cache,
+            list(w.linears), list(w.kinds), list(w.hadamard), WEIGHT_ONLY_ROWS, GROUP_SIZE,
+            w.qkv_bias, w.num_heads, w.num_kv_heads, kv_cache,
             slot_mapping, cu_seqlens_q, seq_lens, block_table, w.scale,
             -1 if w.sliding_window is None else w.sliding_window)
     except RuntimeError as exc:  # the kernels' own checks; typed as the modules' errors are

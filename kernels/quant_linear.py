@@ -15,8 +15,10 @@ Two layouts, each on CPU kernels with a pure-torch reference beside it:
     This is the scheme of torchao's ``int8_dynamic_activation_int8_weight``: the activation
     rounding (at most half a step of its row's amax / 127 per element) is the price, measured
     as perplexity in ``docs/results/quantization.md``. The caller says per weight whether it
-    may take that path (``quantize_int8(..., dynamic=)``: the loader keeps the QKV and down
-    projections weight-only, ``workers/quantize.py`` says why).
+    may take that path (``quantize_int8(..., dynamic=)``), and whether the weight's input
+    columns are rotated first (``hadamard=``: a Hadamard rotation, undone by rotating x with a
+    fast transform, ``hadamard_rows``, which spreads an activation outlier over many channels);
+    ``workers/quantize.py`` says where each is used.
 - **int4 in groups of 32 along the input dim** (``pack_int4``), the layout of GGUF's Q4_0 and
   Q4_1 blocks: ``W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g]`` with q in [0, 15] and
   ``g = k // 32``. That is aten's convention (``_weight_int4pack_mm_for_cpu``, weights packed
@@ -50,6 +52,10 @@ __all__ = [
     "dequantize_int32",
     "dequantize_int32_ref",
     "dequantize_int4_ref",
+    "hadamard_block",
+    "hadamard_matrix",
+    "hadamard_rows",
+    "hadamard_rows_ref",
     "int4_linear",
     "int4_linear_ref",
     "int8_linear",
@@ -77,37 +83,87 @@ INT_MM_MIN_K = 16
 class Int8Weight:
     """An int8 weight ``[out, in]`` and its per-channel scale ``[out]`` in the kernel dtype,
     with the same scale in float32 for the dynamic path's epilogue (``col_scale``).
-    ``dynamic`` False keeps the layer weight-only at every row count."""
+    ``dynamic`` False keeps the layer weight-only at every row count. ``hadamard`` > 0: the
+    codes hold ``W R`` (R the orthonormal Hadamard rotation of ``hadamard_rows_ref`` over
+    groups of that many input columns) and the kernels rotate x alike,
+    ``(x R)(W R)^T = x W^T``, so that one row scale fits every element of a row
+    (``quantize_int8``)."""
 
-    __slots__ = ("col_scale", "dynamic", "qweight", "scale")
+    __slots__ = ("col_scale", "dynamic", "hadamard", "qweight", "scale")
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dynamic: bool = True) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dynamic: bool = True,
+                 hadamard: int = 0) -> None:
         self.qweight = qweight
         self.scale = scale
         self.col_scale = scale.float().contiguous()
         self.dynamic = dynamic
+        self.hadamard = hadamard
 
     @property
     def nbytes(self) -> int:
         return self.qweight.nbytes + self.scale.nbytes + self.col_scale.nbytes
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.double() * self.scale.double()[:, None]
+        """The weight the layer computes with [out, in], float64 (the rotation turned back)."""
+        w = self.qweight.double() * self.scale.double()[:, None]
+        return hadamard_rows_ref(w, self.hadamard) if self.hadamard else w
+
+
+def hadamard_block(k: int, cap: int = 64) -> int:
+    """The largest power of two that divides ``k``, at most ``cap``."""
+    return min(k & -k, cap) if k > 0 else 0
+
+
+def hadamard_matrix(block: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of order ``block`` (a power of two) over sqrt(block):
+    orthonormal and symmetric, ``H[i, j] = (-1)^popcount(i & j) / sqrt(block)``, float64."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / block**0.5
+
+
+def hadamard_rows_ref(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] -> each row seen as [block, K / block], times ``hadamard_matrix(block)`` from
+    the left: every group of ``block`` channels K / block apart rotated (``R = H ⊗ I``,
+    symmetric and orthonormal, so ``x R`` is undone by rotating again). In x's dtype, float32
+    arithmetic for lower precisions."""
+    k = x.shape[-1]
+    if block < 1 or block & (block - 1) or k % block:
+        raise ValueError(f"the Hadamard block must be a power of two dividing {k}, got {block}")
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = hadamard_matrix(block).to(ct)
+    y = h @ x.to(ct).reshape(-1, block, k // block)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+def hadamard_rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``hadamard_rows_ref`` through the compiled fast Walsh-Hadamard transform where it
+    serves x [T, K] (log2(block) butterfly passes instead of a matmul)."""
+    if x.dim() == 2 and x.stride(-1) == 1 and compiled_for(x):
+        return cpu_ops().hadamard_rows(x, block)
+    return hadamard_rows_ref(x, block)
 
 
 def quantize_int8(
-    weight: torch.Tensor, scale_dtype: torch.dtype = _KERNEL_DTYPE, dynamic: bool = True
+    weight: torch.Tensor, scale_dtype: torch.dtype = _KERNEL_DTYPE, dynamic: bool = True,
+    hadamard: int = 0,
 ) -> Int8Weight:
     """Symmetric per-output-channel int8: ``weight [out, in]`` -> ``q * s``, q in [-127, 127];
-    ``dynamic``: whether batched rows may take the dynamic int8 activations.
+    ``dynamic``: whether batched rows may take the dynamic int8 activations; ``hadamard`` > 0:
+    quantize ``W R`` instead, R the Hadamard rotation of ``hadamard_rows_ref`` over groups of
+    that many input columns, which the kernels undo by rotating x (``Int8Weight``). A rotation
+    spreads an input channel that runs far larger than the rest over its whole group, so one
+    scale per activation row loses less of the other elements.
 
     The codes are rounded against the scale as stored (``scale_dtype``), so the bfloat16
     rounding of a scale moves no weight by more than half a step."""
-    w = weight.detach().float()
+    w = weight.detach().double()
+    w = (hadamard_rows_ref(w, hadamard) if hadamard else w).float()
     amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     scale = (amax / 127.0).to(scale_dtype)
     q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scale.contiguous(), dynamic)
+    return Int8Weight(q.contiguous(), scale.contiguous(), dynamic, hadamard)
 
 
 def quantize_rows_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +212,8 @@ def int8_linear(
         return int8_linear_ref(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    if weight.hadamard:
+        x2 = hadamard_rows(x2, weight.hadamard)
     if x2.shape[0] <= WEIGHT_ONLY_ROWS or not weight.dynamic or k < INT_MM_MIN_K:
         y = torch.ops.aten._weight_int8pack_mm(x2.to(compute_dtype), weight.qweight,
                                                weight.scale.to(compute_dtype)).to(x.dtype)
@@ -178,9 +236,10 @@ def int8_linear_ref(
 def int8_dynamic_linear_ref(
     x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The dynamic path's arithmetic in float64: x [T, in] quantized per row, the int8 product
-    summed exactly, both scales applied."""
-    q, row_scale = quantize_rows_int8_ref(x)
+    """The dynamic path's arithmetic in float64: x [T, in] (rotated as the weight is) quantized
+    per row, the int8 product summed exactly, both scales applied."""
+    q, row_scale = quantize_rows_int8_ref(
+        hadamard_rows_ref(x, weight.hadamard) if weight.hadamard else x)
     acc = q.double() @ weight.qweight.double().t()
     y = acc * row_scale.double()[:, None] * weight.col_scale.double()
     return y if bias is None else y + bias.double()

@@ -1,19 +1,24 @@
 """Weight quantization of a loaded model: ``ModelConfig.quantization``.
 
 - ``none``: the weights as loaded (a GGUF file's dequantized float weights).
-- ``int8``: every decoder linear weight becomes int8 per output channel
-  (``kernels/quant_linear.py``), quantized once here from the loaded weights. The LM head and
-  the embeddings keep the model dtype: the head's logits feed sampling directly, and a tied
-  head shares the embedding's table, which an int8 copy would add to, not replace. Batched
-  rows run with dynamic int8 activations (``kernels/quant_linear.py``) in the attention output
-  and the MLP's gate/up projections only. The QKV projection stays weight-only: its outputs
-  become the attention logits, where the softmax amplifies their rounding. So does the MLP's
-  down projection: its input, the SiLU-gated product, carries a layer's largest activation
-  outliers, and one per-row scale coarsens every other element of the row. On SmolLM2,
-  against bf16 perplexity, each projection's activation rounding alone measured (with
-  ``benchmarks/scripts/perplexity.py``, the dynamic path limited to one projection by a patch not
-  kept): QKV +2.6%, down +1.1%, o and gate/up +0.4% (the int8 weights' own +0.4%); all four
-  together +4.5%. ``docs/results/quantization.md`` has the chosen split's figures.
+- ``int8``: every decoder linear weight and the LM head become int8 per output channel
+  (``kernels/quant_linear.py``), quantized once here from the loaded weights, and batched rows
+  of every one of them run with dynamic int8 activations (one scale per row). The embeddings
+  keep the model dtype (a tied head's table stays for the embedding; the head's int8 copy
+  replaces its packed one). One scale per row fits only where no channel runs far larger
+  than the rest, which a decoder's activations break: the residual stream carries a few huge
+  channels, the attention output some per head, the MLP's SiLU-gated product the largest of
+  the layer. So before quantizing, the model is rotated (``workers/rotation.py``: exact,
+  folded into the weights: the residual stream by a random orthogonal matrix, each value
+  head by a Hadamard matrix), and the inputs of the down projection and of the head take a
+  Hadamard rotation online (``quantize_int8(..., hadamard=)``: folded into the weight, the
+  activation rotated by a fast transform). On SmolLM2, against bf16 perplexity
+  (``benchmarks/scripts/perplexity.py``): dynamic activations in all four projections without
+  the rotations +4.5%; with them +1.0% (its own text) and +1.5% (a longer one), within the 2%
+  bound, where the int8 weights alone account for +0.5-1.3% and the two texts' spread between
+  settings is about half a percent. Without rotations only the attention output and gate/up
+  could take dynamic activations (QKV +2.6%, down +1.1% alone), which left half of each layer
+  on the weight-only kernel at a batch. ``docs/results/quantization.md`` has the figures.
 - ``gguf``: a checkpoint converted from a GGUF file serves its linear weights from the file's
   blocks (``workers/gguf_blocks.py``): a layer whose parts are all Q4_0/Q4_1 becomes int4 in
   groups of 32, the blocks' own codes, scales and offsets (exact up to the bfloat16 rounding
@@ -41,7 +46,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.kernels.quant_linear import GROUP_SIZE, Int8Weight, pack_int4, quantize_int8
+from pagedserve.kernels.quant_linear import (
+    GROUP_SIZE,
+    Int8Weight,
+    hadamard_block,
+    pack_int4,
+    quantize_int8,
+)
 from pagedserve.parallel.linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -50,13 +61,18 @@ from pagedserve.parallel.linear import (
 )
 from pagedserve.workers.errors import ModelLoadError
 from pagedserve.workers.gguf_blocks import BLOCKS_FILE, GGUFBlocks, read_blocks
+from pagedserve.workers.rotation import rotate_residual_stream
 
 __all__ = ["QuantizationReport", "quantize_model", "resolve_quantization"]
 
 logger = logging.getLogger(__name__)
 
-# The projections whose batched rows take dynamic int8 activations (module docstring).
-_DYNAMIC_INT8 = ("o_proj", "gate_up_proj")
+# The projections of an unrotated model (GGUF Q8_0 layers) whose batched rows take dynamic
+# int8 activations: those whose inputs hold no large outliers (module docstring).
+_DYNAMIC_UNROTATED = ("o_proj", "gate_up_proj")
+# The projection whose input no weight fold can rotate (it follows the SiLU gate); the LM head's
+# input (the final norm's output, the stream turned back) takes an online rotation too.
+_ONLINE_ROTATION = "down_proj"
 
 
 @dataclass(slots=True)
@@ -102,9 +118,13 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | Path) -> Quanti
     report = QuantizationReport(mode)
     layers = _linear_layers(model)
     if mode == "int8":
+        rotate_residual_stream(model)
         for name, layer in layers.items():
-            layer.use_quantized(_int8(name, layer))
+            online = name.endswith(_ONLINE_ROTATION)
+            layer.use_quantized(_rotated_int8(layer, online))
             report.count("int8")
+        model.lm_head.use_quantized(_rotated_int8(model.lm_head, True))
+        report.count("int8")
     elif mode == "gguf":
         _serve_gguf_blocks(model, layers, read_blocks(model_dir) or {}, report)
     if mode != "none":
@@ -113,10 +133,17 @@ def quantize_model(model: nn.Module, mode: str, model_dir: str | Path) -> Quanti
     return report
 
 
-def _int8(name: str, layer: _PackableWeight) -> Int8Weight:
-    """The layer's weight in int8 per channel; dynamic activations where the module docstring
+def _rotated_int8(layer: _PackableWeight, online: bool) -> Int8Weight:
+    """The layer's weight in int8 per channel, dynamic activations at a batch; ``online``: its
+    input takes a Hadamard rotation first (module docstring)."""
+    k = layer.weight.shape[1]
+    return quantize_int8(layer.weight, hadamard=hadamard_block(k) if online else 0)
+
+
+def _unrotated_int8(name: str, layer: _PackableWeight) -> Int8Weight:
+    """A GGUF Q8_0 layer in int8 per channel; dynamic activations where the module docstring
     says."""
-    return quantize_int8(layer.weight, dynamic=name.rpartition(".")[2] in _DYNAMIC_INT8)
+    return quantize_int8(layer.weight, dynamic=name.rpartition(".")[2] in _DYNAMIC_UNROTATED)
 
 
 def _release_freed_memory() -> None:
@@ -162,7 +189,7 @@ def _serve_gguf_blocks(
         if len(parts) != _parts(layer) or len(kinds) != 1:
             report.count("float")
         elif kinds == {"Q8_0"}:
-            layer.use_quantized(_int8(name, layer))
+            layer.use_quantized(_unrotated_int8(name, layer))
             report.count("int8")
         elif _load_int4(layer, parts):
             report.count("int4")

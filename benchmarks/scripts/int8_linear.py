@@ -6,8 +6,8 @@ many prefill tokens): oneDNN's bf16 matmul on the packed weight (what ``quantiza
 runs at bf16), the weight-only int8 kernel (``aten._weight_int8pack_mm``), the dynamic int8 path
 (per-row activation quantization, ``torch._int_mm``, the scale epilogue) and ``int8_linear``
 as the engine calls it for a projection that may take dynamic activations (weight-only up to
-``WEIGHT_ONLY_ROWS`` rows, dynamic above; ``workers/quantize.py`` keeps QKV and down
-weight-only at every row count). The four alternate call by call
+``WEIGHT_ONLY_ROWS`` rows, dynamic above, as every projection of ``quantization="int8"``
+runs; the down projection's online Hadamard rotation is left out). The four alternate call by call
 (``cpu_kernels.time_alternating``); each figure is the median of ``--reps`` timed calls after a
 warm-up, in microseconds.
 

@@ -10,6 +10,7 @@ Shapes: ``decode N`` is N sequences of one new token each after ``--context`` ca
     python benchmarks/scripts/layer_step.py --model smollm2 --dtype bfloat16
     python benchmarks/scripts/layer_step.py --model llama-22m --dtype float32 --out FILE.md
     python benchmarks/scripts/layer_step.py --profile   # also: each shape's operators, by time
+    python benchmarks/scripts/layer_step.py --quantization int8
 
 ``--profile`` adds, per shape, torch.profiler's self time per operator over five forward passes
 through the compiled layers (the matmuls, paged attention and the pointwise kernels each show
@@ -66,12 +67,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--profile", action="store_true", help="each shape's operators, by time")
+    ap.add_argument("--quantization", default="none", help="the engine's quantization option")
     args = ap.parse_args()
     if cpu_ops() is None:
         sys.exit("the compiled CPU kernels did not build")
     torch.manual_seed(0)
     model, arch, dtype = load_model(model_dir(args.model), args.dtype, torch.device("cpu"),
-                                    ParallelState(), quantization="none")
+                                    ParallelState(), quantization=args.quantization)
     layers = model.model
     fused = list(layers.fused)
     shapes = [(k, int(n)) for k, n in (s.split(":") for s in args.shapes.split(","))]
@@ -81,9 +83,10 @@ def main() -> None:
     for layer in layers.layers:
         attn = layer.self_attn.attn
         attn.kv_cache = torch.randn(blocks, 2, BLOCK, attn.num_kv_heads, d).to(dtype)
-    rows = [f"model `{args.model}`, {args.dtype}, {sum(w is not None for w in fused)} of "
-            f"{len(fused)} layers qualify, torch threads {torch.get_num_threads()}, context "
-            f"{args.context}; median of {args.reps} alternated calls", "",
+    rows = [f"model `{args.model}`, {args.dtype}, quantization {args.quantization}, "
+            f"{sum(w is not None for w in fused)} of {len(fused)} layers qualify, torch threads "
+            f"{torch.get_num_threads()}, context {args.context}; median of {args.reps} "
+            "alternated calls", "",
             "| step | modules (ms) | compiled layer (ms) | modules / compiled |",
             "|---|---|---|---|"]
     with torch.inference_mode():

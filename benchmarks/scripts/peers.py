@@ -5,6 +5,8 @@ warm-up, so start-up and model loading are left out):
 
   pagedserve        ``LLM()`` with its defaults: the Ray path (controller and worker actors)
   pagedserve-local  the engine in the benchmark's process (``backend="local"``)
+  pagedserve-int8   ``LLM()`` with ``quantization="int8"`` (whatever ``--quantization`` says):
+                    int8 weights and activations beside the engine at ``--dtype``
   hf-static         Hugging Face ``generate`` on static batches (left padding, batch = the
                     ``--hf-batch-size`` requests in arrival order, each batch runs until its
                     longest request is done; only each request's own tokens count)
@@ -53,8 +55,8 @@ from pagedserve.benchmarks.report import emit_table
 from pagedserve.config import cache_root
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("pagedserve", "pagedserve-local", "hf-static", "hf-cb", "vllm", "vllm-default", "base",
-           "base-local")
+ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-int8", "hf-static", "hf-cb", "vllm",
+           "vllm-default", "base", "base-local")
 VLLM_ENGINES = ("vllm", "vllm-default")
 REFERENCE = "hf-static"
 
@@ -199,6 +201,8 @@ def run_one(args: argparse.Namespace) -> None:
     work = json.loads(Path(args.workload).read_text())
     if args.run_one in ("pagedserve", "base"):
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization)
+    elif args.run_one == "pagedserve-int8":
+        outs = run_pagedserve(args.model_dir, work, None, args.dtype, "int8")
     elif args.run_one in ("pagedserve-local", "base-local"):
         outs = run_pagedserve(args.model_dir, work, "local", args.dtype, args.quantization)
     elif args.run_one == "hf-static":

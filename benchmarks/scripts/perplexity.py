@@ -48,13 +48,13 @@ def windows(token_ids: list[int], size: int) -> list[list[int]]:
     return [w for w in out if len(w) >= 2]
 
 
-def score(model_dir: str, options: dict[str, object], window: int, max_windows: int
-          ) -> dict[str, float]:
+def score(model_dir: str, options: dict[str, object], window: int, max_windows: int,
+          text: Path) -> dict[str, float]:
     """Sum of the log-probabilities of every scored token, and their count."""
     from pagedserve import LLM, SamplingParams
 
     with LLM(model_dir, backend="local", **options) as llm:
-        ids = llm.tokenizer.encode_plain(TEXT.read_text())
+        ids = llm.tokenizer.encode_plain(text.read_text())
         chunks = windows(ids, window)[:max_windows or None]
         outs = llm.generate(chunks, SamplingParams(max_tokens=0, prompt_logprobs=0),
                             use_tqdm=False)
@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (Q4_1 GGUF)")
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help=f"comma-separated, of: {', '.join(SETTINGS)}")
+    ap.add_argument("--text", type=Path, default=TEXT,
+                    help="the text to score (default: data/perplexity.txt beside this script)")
     ap.add_argument("--window", type=int, default=256, help="tokens per scored window")
     ap.add_argument("--max-windows", type=int, default=0, help="score only the first N (0: all)")
     ap.add_argument("--check", type=float, default=None,
@@ -80,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.run_one:
         print(json.dumps(score(args.model, SETTINGS[args.run_one], args.window,
-                               args.max_windows)))
+                               args.max_windows, args.text)))
         return
     from pagedserve.benchmarks.report import emit_table
     from pagedserve.builder import resolve_model_dir
@@ -94,13 +96,14 @@ def main() -> None:
     tokens = 0
     for name in names:
         cmd = [sys.executable, __file__, "--model", model_dir, "--run-one", name,
-               "--window", str(args.window), "--max-windows", str(args.max_windows)]
+               "--window", str(args.window), "--max-windows", str(args.max_windows),
+               "--text", str(args.text)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         tokens = int(r["tokens"])
         ppl[name] = math.exp(-r["logprob_sum"] / r["tokens"])
     first, base = ppl[names[0]], ppl.get(BASELINE)
-    lines = [f"model: `{model_dir}`; `{TEXT.name}`, {tokens} tokens scored in windows of "
+    lines = [f"model: `{model_dir}`; `{args.text.name}`, {tokens} tokens scored in windows of "
              f"{args.window}", "",
              f"| setting | engine options | perplexity | vs {names[0]} |"
              + (f" vs {BASELINE} |" if base else ""),

@@ -12,6 +12,8 @@
 //                 input_norm [H], post_norm [H], eps,
 //                 weights, kinds (qkv [Q+2K, H], o [H, Q], gate_up [2I, H], down [H, I]: each
 //                 plain, oneDNN-packed, int8 or int4, held by one to three tensors),
+//                 hadamard (per projection: rotate x in blocks of this many columns first,
+//                 0: not; an int8 weight quantized with its input rotated),
 //                 weight_only_rows, group_size (the quantized kernels' settings),
 //                 qkv_bias [Q+2K] or None, num_heads, num_kv_heads,
 //                 kv_cache [NB, 2, B, Hkv, D], slot_mapping [T], cu_seqlens_q [S+1],
@@ -52,6 +54,7 @@ using PagedAttention = int64_t(const at::Tensor&, const at::Tensor&, at::Tensor&
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                int64_t, at::Tensor&);
 using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
+using HadamardRows = at::Tensor(const at::Tensor&, int64_t);
 using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               at::ScalarType);
 using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&,
@@ -88,9 +91,11 @@ int64_t tensors_of(int64_t kind) {
 
 // One projection, as kernels/linear.py's `linear` and kernels/quant_linear.py's
 // `quantized_linear` compute it: w points at its tensors in `weights`.
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t kind,
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor* w, int64_t kind, int64_t hadamard,
                   const std::optional<at::Tensor>& bias, int64_t weight_only_rows,
                   int64_t group_size) {
+  static const auto rotate = typed_op<HadamardRows>("pagedserve_cpu::hadamard_rows");
+  const at::Tensor x = hadamard > 0 ? rotate.call(x_in, hadamard) : x_in;
   at::Tensor y;
   switch (kind) {
     case kPlain:
@@ -126,12 +131,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     at::Tensor& x, const std::optional<at::Tensor>& residual_in,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-    at::TensorList weights, at::IntArrayRef kinds, int64_t weight_only_rows, int64_t group_size,
+    at::TensorList weights, at::IntArrayRef kinds, at::IntArrayRef hadamard,
+    int64_t weight_only_rows, int64_t group_size,
     const std::optional<at::Tensor>& qkv_bias,
     int64_t num_heads, int64_t num_kv_heads, at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
     const at::Tensor& block_table, double scale, int64_t window) {
-  TORCH_CHECK(kinds.size() == 4, "decoder_layer: four projections: qkv, o, gate_up, down");
+  TORCH_CHECK(kinds.size() == 4 && hadamard.size() == 4,
+              "decoder_layer: four projections: qkv, o, gate_up, down");
   const at::Tensor* w[4];  // each projection's first tensor in `weights`
   size_t used = 0;
   for (size_t i = 0; i < 4; ++i) {
@@ -141,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   TORCH_CHECK(used == weights.size(), "decoder_layer: ", weights.size(),
               " weight tensors for these kinds, expected ", used);
   auto project = [&](const at::Tensor& x, int i, const std::optional<at::Tensor>& bias) {
-    return linear(x, w[i], kinds[i], bias, weight_only_rows, group_size);
+    return linear(x, w[i], kinds[i], hadamard[i], bias, weight_only_rows, group_size);
   };
   TORCH_CHECK(x.dim() == 2, "decoder_layer: x [T, H]");
   const Ops& o = ops();
@@ -186,7 +193,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def(
       "decoder_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor input_norm, Tensor post_norm, float eps, Tensor[] weights, int[] kinds, "
-      "int weight_only_rows, int group_size, "
+      "int[] hadamard, int weight_only_rows, int group_size, "
       "Tensor? qkv_bias, int num_heads, int num_kv_heads, Tensor(c!) kv_cache, "
       "Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
       "float scale, int window) -> (Tensor, Tensor)");

@@ -4,6 +4,7 @@ after cached context, then a two-row decode step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,16 +26,19 @@ def _step(lens: list[int], new: list[int], vocab: int) -> tuple[torch.Tensor, ..
     return ids, positions, slots, table, torch.tensor(lens, dtype=torch.int32), cu
 
 
-def forward_both(model: Any, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per step, (hidden states through the modules, through the compiled layers)."""
+def forward_both(model: Any, vocab: int, cache_of: Callable[[torch.Tensor], torch.Tensor]
+                 | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step, (hidden states through the modules, through the compiled layers);
+    ``cache_of`` turns each layer's random cache [NB, 2, B, Hkv, D] into the one this model
+    would have written."""
     layers, fused = model.model, list(model.model.fused)
     g = torch.Generator().manual_seed(0)
     dtype = layers.norm.weight.dtype
     caches = []
     for layer in layers.layers:
         attn = layer.self_attn.attn
-        caches.append(torch.randn(32, 2, BLOCK, attn.num_kv_heads, attn.head_dim,
-                                  generator=g).to(dtype))
+        cache = torch.randn(32, 2, BLOCK, attn.num_kv_heads, attn.head_dim, generator=g)
+        caches.append((cache_of(cache) if cache_of else cache).to(dtype))
     results = []
     for lens, new in (([9, 5, 12], [5, 5, 3]), ([10, 13], [1, 1])):
         ids, pos, slots, table, seq_lens, cu = _step(lens, new, vocab)

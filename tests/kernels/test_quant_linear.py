@@ -13,6 +13,10 @@ from pagedserve.kernels.quant_linear import (
     dequantize_int4_ref,
     dequantize_int32,
     dequantize_int32_ref,
+    hadamard_block,
+    hadamard_matrix,
+    hadamard_rows,
+    hadamard_rows_ref,
     int4_linear,
     int4_linear_ref,
     int8_dynamic_linear_ref,
@@ -94,6 +98,54 @@ def test_compiled_row_quantization_equals_reference(dtype) -> None:
     for out in (torch.float32, torch.bfloat16):
         assert torch.equal(dequantize_int32(acc, s, cols, out),
                            dequantize_int32_ref(acc, s, cols, out))
+
+
+def test_hadamard_matrix_is_orthonormal_and_symmetric() -> None:
+    for block in (1, 2, 8, 64):
+        h = hadamard_matrix(block)
+        assert torch.equal(h, h.t())
+        assert torch.allclose(h @ h, torch.eye(block, dtype=torch.float64), atol=1e-12)
+        assert torch.allclose(h.abs(), torch.full_like(h, block ** -0.5), rtol=0, atol=1e-15)
+    assert [hadamard_block(k) for k in (1536, 576, 96, 40, 7)] == [64, 64, 32, 8, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [1, 2, 16, 64])
+def test_compiled_hadamard_rows_follow_float64(block, dtype) -> None:
+    # The fast transform's butterflies in float32 against one float64 matmul: float32
+    # summation (log2(block) adds per element), then the output's rounding to dtype.
+    g = torch.Generator().manual_seed(block)
+    x = (torch.randn(7, 192, generator=g) * 4).to(dtype)
+    x[3] = 0.0
+    x[3, 5] = 300.0  # a lone outlier: spread evenly over its group, the rest of the row zero
+    want = hadamard_rows_ref(x.double(), block)
+    got = hadamard_rows(x, block)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert _rel(got, want) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
+    group = want[3, 5 % (192 // block)::192 // block]  # channels 192 / block apart
+    assert torch.allclose(group.abs(), torch.full((block,), 300.0 / block ** 0.5,
+                                                  dtype=torch.float64))
+    assert want[3].count_nonzero() == block
+    with pytest.raises((ValueError, RuntimeError), match="power of two"):
+        hadamard_rows(x, 3)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_int8_with_a_rotated_input_matches_float64(rows) -> None:
+    # The codes hold W H and the kernels rotate x: the product is x W^T, whichever kernel the
+    # row count picks, and dequantize() gives back W to within the rotated codes' rounding.
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 128, generator=g)
+    w[:, 9] *= 30  # an input channel far larger than the rest
+    q = quantize_int8(w, hadamard=32)
+    assert q.hadamard == 32
+    assert _rel(q.dequantize(), w) <= 2 ** -7
+    x = torch.randn(rows, 128, generator=g)
+    got = int8_linear(x, q)
+    assert _rel(got, int8_linear_ref(x.double(), q)) <= BF16_REL
+    assert _rel(got, x.double() @ w.double().t()) <= BF16_REL
+    if rows > WEIGHT_ONLY_ROWS:
+        assert _rel(got, int8_dynamic_linear_ref(x, q)) <= 1e-6
 
 
 def test_int8_narrow_input_stays_weight_only() -> None:

@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.kernels.cpu import COMPILED_DTYPES, cpu_ops
 from pagedserve.kernels.decoder_layer import LayerWeights, decoder_layer, projection
+from pagedserve.kernels.quant_linear import Int8Weight
 from pagedserve.workers.context import get_forward_context
 
 # A ``LlamaDecoderLayer`` (typed loosely: that module imports this one).
@@ -41,6 +42,8 @@ def layer_weights(layer: DecoderLayer) -> LayerWeights | None:
         eps=layer.input_layernorm.eps,
         linears=tuple(t for _kind, tensors in held for t in tensors),
         kinds=tuple(kind for kind, _tensors in held),  # type: ignore[arg-type]
+        hadamard=tuple(  # type: ignore[arg-type]
+            lin.quant.hadamard if isinstance(lin.quant, Int8Weight) else 0 for lin in linears),
         qkv_bias=attn.qkv_proj.bias,
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,

@@ -144,6 +144,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Per layer, the compiled whole-layer call's arguments where it serves (fuse_layers).
         self.fused: list[LayerWeights | None] = [None] * arch.num_layers
+        # Q [hidden, hidden] float32 where the stream runs rotated (workers/rotation.py).
+        self.residual_rotation: torch.Tensor | None = None
 
     def fuse_layers(self) -> int:
         """Take the compiled whole-layer path where it serves (after loading and packing:
@@ -153,7 +155,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden]
-        x, residual = run_layers(self.layers, self.fused, positions, self.embed_tokens(input_ids))
+        x = self.embed_tokens(input_ids)
+        q = self.residual_rotation
+        if q is not None:
+            x = (x.float() @ q).to(x.dtype)
+        x, residual = run_layers(self.layers, self.fused, positions, x)
+        if q is not None:  # the stream turned back, so the final norm's weight stays its own
+            return self.norm(((x.float() + residual.float()) @ q.t()).to(x.dtype))
         return self.norm(x, residual)
 
 
