@@ -38,6 +38,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    tool_calls: list[dict[str, str]] | None = None
+    """From ``LLM.chat`` with ``tools`` (unless ``tool_choice`` is ``none``): the calls the text
+    makes, each ``{"id", "name", "arguments"}`` (the arguments' JSON text); ``text`` stays the
+    whole text the model wrote."""
 
     @property
     def finished(self) -> bool:

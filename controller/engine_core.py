@@ -80,6 +80,8 @@ class EngineCore:
         self._groups: dict[str, RequestGroup] = {}
         self._time_schedule = 0.0
         self._time_execute = 0.0
+        self._time_grammar_mask = 0.0  # inside _time_schedule: the masks of constrained requests
+        self._num_grammar_mask_steps = 0
         self._kv_integrity_ok = 1
         self._kv_checks = 0
         self._grammars: GrammarGate | None = None  # made by the first constrained request
@@ -170,7 +172,11 @@ class EngineCore:
         preemptions = self.scheduler.num_preemptions
         sched_out = self.scheduler.schedule()
         if self._grammars is not None:
+            tm = time.perf_counter()
             sched_out.token_masks = self._grammars.step_masks(self.scheduler.requests, sched_out)
+            if sched_out.token_masks:  # what a constraint costs each step, on the step's path
+                self._time_grammar_mask += time.perf_counter() - tm
+                self._num_grammar_mask_steps += 1
         if sched_out.total_num_scheduled_tokens == 0:
             # A step that preempted admits nothing by design; the next one will.
             stalled = self.scheduler.num_preemptions == preemptions
@@ -356,6 +362,8 @@ class EngineCore:
         tier (tokens), preemptions and swaps, timings; see ``engine_stats``."""
         return engine_stats(self.scheduler.stats(), self.kv, self.kv_layout.num_blocks, {
             "time_schedule_s": self._time_schedule, "time_execute_s": self._time_execute,
+            "time_grammar_mask_s": self._time_grammar_mask,
+            "num_grammar_mask_steps": self._num_grammar_mask_steps,
             # As of the last idle check.
             "kv_integrity_ok": self._kv_integrity_ok, "kv_integrity_checks": self._kv_checks,
             **self._kv_pool_bytes(),

@@ -155,10 +155,11 @@ def chat_prompts(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     allow_special_tokens: bool = False,
 ) -> list[dict[str, Any]]:
     """Each conversation rendered as a ``{"prompt", "prompt_token_ids"}`` prompt for
-    ``LLM.generate``."""
+    ``LLM.generate`` (``tools``: OpenAI's function definitions, for the template)."""
     prompts: list[dict[str, Any]] = []
     for conversation in as_conversations(messages):
         text, ids = render_chat(
@@ -167,6 +168,7 @@ def chat_prompts(
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
             allow_special_tokens=allow_special_tokens,
         )
         prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -14,6 +14,7 @@ Nothing here touches a tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -28,8 +29,9 @@ from pagedserve.controller.client import EngineClient, LocalEngineClient
 from pagedserve.controller.engine_core import EngineCore
 from pagedserve.controller.errors import EngineDeadError, RequestFailedError
 from pagedserve.controller.outputs import final_output_sink
-from pagedserve.messages import AddRequest, RequestOutput, SamplingParams
+from pagedserve.messages import AddRequest, RequestOutput, SamplingParams, StructuredOutputsParams
 from pagedserve.serving.chat import Conversation, chat_prompts
+from pagedserve.serving.tool_plan import ToolChoiceError, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +141,41 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        tool_call_parser: str | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         to a list of them, each rendered through the model's chat template (or
-        ``chat_template``); one output per conversation, in order. Raises ``ChatError``."""
+        ``chat_template``); one output per conversation, in order. Raises ``ChatError``.
+
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` definitions) reach the
+        template, and ``tool_choice`` (``none``, ``auto`` (the default), ``required`` or
+        ``{"type": "function", "function": {"name": ...}}``) acts as on the server's chat
+        completions: ``required`` and a named function constrain the output so that the
+        arguments follow the function's schema (the sampling params must then set no
+        ``structured_outputs`` of their own); ``auto`` reads the calls the model writes with
+        ``tool_call_parser`` (None: the format the template shows). Each completion's
+        ``tool_calls`` lists the calls found. Raises ``ToolChoiceError`` for tools it cannot
+        serve."""
+        template = chat_template or (self.tokenizer.chat_template if self.tokenizer else None)
+        plan = plan_tools(tools, tool_choice, parser=tool_call_parser, chat_template=template,
+                          parallel_tool_calls=parallel_tool_calls)
         prompts = chat_prompts(
             self.tokenizer, messages, chat_template=chat_template,
             add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs,
+            tools=plan.tools,
         )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        if plan.constraint is not None:
+            sampling_params = [_constrained(sp, plan.constraint)
+                               for sp in _as_params(sampling_params, len(prompts))]
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        if plan.fmt is not None:
+            for out in outs:
+                for comp in out.outputs:
+                    comp.tool_calls = plan.calls(comp.text)
+        return outs
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):  # already rendered: the ids as they are
@@ -203,6 +231,14 @@ def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt of token ids
     return list(prompts)
+
+
+def _constrained(sp: SamplingParams, constraint: StructuredOutputsParams) -> SamplingParams:
+    if sp.structured_outputs is not None:
+        raise ToolChoiceError("tool_choice required or a named function sets the output's "
+                              "constraint: the sampling params may not set structured_outputs",
+                              "tool_choice")
+    return dataclasses.replace(sp, structured_outputs=constraint)
 
 
 def _as_params(

@@ -13,7 +13,10 @@ Formats (``--tool-call-parser``):
   one block per call, content before the first;
 - ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}`` (calls separated
   by ``;``, optionally after ``<|python_tag|>``), else it is all content;
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` objects.
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` objects;
+- ``qwen3_coder``: ``<tool_call><function=NAME><parameter=ARG>VALUE</parameter>...</function>
+  </tool_call>``, one block per call, each value typed by the tool's schema
+  (``serving.xml_tool_calls``; ``with_tools`` gives the format the schemas).
 
 Two more serve ``tool_choice``, whose output the structured-output constraint shapes:
 ``required`` reads a JSON list of ``{"name", "parameters"}`` objects, and ``named_call`` reads
@@ -24,7 +27,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pagedserve.serving.xml_tool_calls import ArgTypes, arg_types, xml_call
 
 __all__ = [
     "TOOL_CALL_PARSERS",
@@ -200,6 +207,15 @@ class ToolCallFormat:
     """After the marker comes a JSON list of calls (else one object per block)."""
     function: str | None = None
     """The whole text is the arguments of this function (``tool_choice`` naming it)."""
+    xml: bool = False
+    """Each block holds one ``<function=NAME>`` of ``<parameter=ARG>`` values, not JSON."""
+    types: ArgTypes = field(default_factory=dict, compare=False, hash=False)
+    """For ``xml``: per function, its arguments' schemas (what each value's text becomes)."""
+
+    def with_tools(self, tools: Sequence[Mapping[str, Any]]) -> ToolCallFormat:
+        """This format for a request's tools (OpenAI's definitions): the XML format types
+        its values by their schemas; a JSON format's calls carry their own types."""
+        return replace(self, types=arg_types(tools)) if self.xml else self
 
     def parse(self, text: str, final: bool) -> ParsedText:
         if self.function is not None:
@@ -219,9 +235,7 @@ class ToolCallFormat:
                 if text[j:j + 1] == "[":
                     calls = _calls_list(text, j, self.args_keys, final)
                 return ParsedText(content, calls)
-            if text[j:j + 1] != "{":
-                return ParsedText(content, calls)
-            found = _call_object(text, j, self.args_keys, final)
+            found = self._block(text, j, final)
             if found is None:
                 return ParsedText(content, calls)
             call, end = found
@@ -232,6 +246,18 @@ class ToolCallFormat:
             if nxt < 0:
                 return ParsedText(content, calls)
             j = nxt + len(self.marker)
+
+    def _block(self, text: str, j: int, final: bool) -> tuple[ToolCallText, int | None] | None:
+        """The call written at ``text[j]``, after the marker, and the index after it."""
+        if self.xml:
+            found = xml_call(text, j, self.types, final)
+            if found is None:
+                return None
+            name, arguments, end = found
+            return ToolCallText(name, arguments, end is not None), end
+        if text[j:j + 1] != "{":
+            return None
+        return _call_object(text, j, self.args_keys, final)
 
     def _parse_whole(self, text: str, final: bool) -> ParsedText:
         """A text that is either all calls (it opens with ``{`` or the list) or all content
@@ -277,6 +303,7 @@ TOOL_CALL_PARSERS: dict[str, ToolCallFormat] = {
     "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>"),
     "llama3_json": ToolCallFormat("llama3_json", args_keys=("parameters", "arguments")),
     "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", as_list=True),
+    "qwen3_coder": ToolCallFormat("qwen3_coder", "<tool_call>", "</tool_call>", xml=True),
 }
 TOOL_CALL_PARSERS["qwen"] = TOOL_CALL_PARSERS["hermes"]  # Qwen2.5 and Qwen3 write Hermes calls
 
@@ -299,6 +326,9 @@ def detect_tool_call_parser(chat_template: str | None) -> str | None:
     """The parser a chat template's own tool-call syntax asks for, if it shows one."""
     if not chat_template:
         return None
+    # Qwen3-Coder's template also writes <tool_call>, around its XML: ask for that first.
+    if "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
     if "<tool_call>" in chat_template:
         return "hermes"
     if "[TOOL_CALLS]" in chat_template:

@@ -22,6 +22,7 @@ XDIST_GROUPS = {
     "tests/distributed/": "ray-local",
     "tests/test_readme.py::": "real-model",
     "tests/test_real_model.py::": "real-model",
+    "tests/benchmarks/test_schema_conformance.py::": "real-model",
 }
 
 

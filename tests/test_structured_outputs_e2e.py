@@ -13,29 +13,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 from helpers.checkpoints import make_checkpoint
+from helpers.schemas import BOUNDED_SCHEMAS
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.controller.errors import InvalidGrammarError
 from pagedserve.messages import StructuredOutputsParams as Constraint
 
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
-     "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                      "tag": {"enum": ["red", "green", "blue"]}},
-     "required": ["ok", "tag"], "additionalProperties": False},
-    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
-                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["id", "score"], "additionalProperties": False},
-    {"anyOf": [{"type": "integer", "minimum": 10, "maximum": 99}, {"type": "null"}]},
-    {"type": "object", "properties": {"inner": {
-        "type": "object", "properties": {"x": {"type": "integer", "maximum": 9, "minimum": 0}},
-        "required": ["x"], "additionalProperties": False}},
-     "required": ["inner"], "additionalProperties": False},
-]
+SCHEMAS = BOUNDED_SCHEMAS
 REGEX = r"[0-9]{3}-[a-z]{2}(!|\?)"
 CHOICES = ["yes", "no", "it depends"]
 PROMPTS = [[5, 6, 7], list(range(10, 60)), [300, 301], list(range(100, 133))]

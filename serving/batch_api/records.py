@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.serving.request_fields import CONSTRAINT_FIELDS
+
 __all__ = [
     "BATCH_ENDPOINTS",
     "DUPLICATE",
@@ -119,7 +121,7 @@ class LineTracker:
 _JOB_BODY_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "ignore_eos",
     "min_tokens", "min_p", "stop_token_ids", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "cache_salt",
+    "frequency_penalty", "cache_salt", *CONSTRAINT_FIELDS,
 )
 
 

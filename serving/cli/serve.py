@@ -34,8 +34,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve a checkpoint over the OpenAI API (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, the Batch API under "
-        "/v1/files and /v1/batches, /health, /metrics).",
+        "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, the Batch "
+        "API under /v1/files and /v1/batches, /health, /metrics).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)

@@ -8,7 +8,9 @@ loses nothing: rerunning it with the same output file skips every id already wri
 truncated last record is cut off first) and does only the rest. A line in the OpenAI Batch API's
 format (``custom_id``, ``method``, ``url``, ``body``) is accepted too: its ``custom_id`` is the
 id, its body's prompt or messages and sampling fields are the line's, and its records keep
-``custom_id``.
+``custom_id``. A line may carry a structured-output constraint as a request body does
+(``response_format``, ``structured_outputs`` or ``guided_*``), read by the server's own rules
+(``serving.request_fields``); an invalid one fails its line alone.
 
 A line that cannot be served (bad JSON, no prompt, an invalid sampling value, a prompt that is
 too long or has out-of-vocabulary ids) becomes an error record carrying its line number; the

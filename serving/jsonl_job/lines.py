@@ -10,10 +10,23 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.messages import RequestOutput, SamplingParams, SamplingParamsError
+from pagedserve.messages import (
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 from pagedserve.serving.batch_api.records import job_fields
 from pagedserve.serving.chat import ChatError, render_chat
+from pagedserve.serving.request_fields import (
+    CONSTRAINT_FIELDS,
+    ConstraintError,
+    ConstraintFields,
+    constraint_of,
+)
 
 __all__ = [
     "Item", "LineError", "error_record", "id_key", "line_id", "parse_line", "result_record",
@@ -90,6 +103,22 @@ def _encode_prompt(
         raise LineError(str(exc)) from exc
 
 
+def _constraint(obj: dict[str, Any]) -> StructuredOutputsParams | None:
+    """The line's structured-output constraint, read by the HTTP server's rules: the same
+    fields (``response_format``, ``structured_outputs``, ``guided_*``), the same errors."""
+    fields = {k: obj[k] for k in CONSTRAINT_FIELDS if obj.get(k) is not None}
+    if not fields:
+        return None
+    try:
+        return constraint_of(ConstraintFields.model_validate(fields))[0]
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise LineError(f"invalid {where}: {first['msg']}") from None
+    except ConstraintError as exc:
+        raise LineError(exc.message) from None
+
+
 def parse_line(
     lineno: int, text: str, defaults: dict[str, Any], tokenizer: Tokenizer | None
 ) -> Item:
@@ -105,7 +134,8 @@ def parse_line(
             obj = {**job_fields(obj), "custom_id": obj.get("custom_id")}
         except ValueError as exc:
             raise LineError(str(exc)) from exc
-    unknown = sorted(set(obj) - set(SAMPLING_FIELDS) - set(PROMPT_FIELDS) - set(OTHER_FIELDS))
+    unknown = sorted(set(obj) - set(SAMPLING_FIELDS) - set(PROMPT_FIELDS) - set(OTHER_FIELDS)
+                     - set(CONSTRAINT_FIELDS))
     if unknown:
         raise LineError(f"unknown field(s): {', '.join(unknown)}")
     rid = obj.get("id", lineno)
@@ -116,6 +146,9 @@ def parse_line(
         raise LineError("cache_salt must be a string")
     token_ids, prompt = _encode_prompt(obj, tokenizer)
     options = {**defaults, **{k: obj[k] for k in SAMPLING_FIELDS if k in obj}}
+    constraint = _constraint(obj)
+    if constraint is not None:
+        options["structured_outputs"] = constraint
     try:
         params = SamplingParams(**options)
     except SamplingParamsError as exc:

@@ -30,14 +30,13 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     StrictInt,
     StrictStr,
-    field_validator,
 )
 
 from pagedserve.sampling_params import INT32_MAX, LOGIT_BIAS, RANGES, TOKEN_ID, Range
+from pagedserve.serving.request_fields import APIRequest, ConstraintFields
 
 __all__ = [
     "APIRequest",
@@ -94,71 +93,14 @@ def _only(what: str, *neutral: Any) -> Any:
                      Field(description=f"Not supported: only {shown} is accepted.")]
 
 
-def _check_text(value: Any) -> None:
-    """Raise ValueError on a string (also inside lists and dicts) that is not valid Unicode."""
-    if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"must be valid Unicode text: a lone surrogate at character {exc.start}"
-                ) from None
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _check_text(item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key)
-            _check_text(item)
-
-
-class APIRequest(BaseModel):
-    """Base of every request body: an unknown field refused by name, every text valid
-    Unicode."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        _check_text(value)
-        return value
-
-
 class StreamOptions(APIRequest):
     include_usage: bool = False
     continuous_usage_stats: _only("usage in every chunk (continuous_usage_stats)", False) = None
 
 
-class JSONSchemaFormat(APIRequest):
-    name: str = "response"
-    description: str | None = None
-    # "schema" is a BaseModel attribute name, so the field is aliased.
-    json_schema: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(APIRequest):
-    """OpenAI's ``response_format``: free text, any JSON object, or JSON following a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-
-class StructuredOutputs(APIRequest):
-    """vLLM's ``structured_outputs`` extension: exactly one constraint."""
-
-    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
-    regex: StrictStr | None = None
-    choice: list[StrictStr] | None = None
-    grammar: StrictStr | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-
-
-class _SamplingFields(APIRequest):
-    """Fields shared by both endpoints that map one to one onto ``SamplingParams``."""
+class _SamplingFields(ConstraintFields):
+    """Fields shared by both endpoints that map one to one onto ``SamplingParams`` (and the
+    constraint fields, ``ConstraintFields``)."""
 
     model: str | None = None
     n: N = 1
@@ -213,13 +155,6 @@ class _SamplingFields(APIRequest):
     """Lower is served first, under ``--scheduling-policy priority``; any other than 0 is
     refused under ``fcfs``."""
     cache_salt: str | None = None
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None
-    # vLLM's older spellings of structured_outputs' fields
-    guided_json: dict[str, Any] | StrictStr | None = None
-    guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
-    guided_grammar: StrictStr | None = None
     # vLLM's fields this server does not implement
     use_beam_search: _only("beam search", False) = None
     length_penalty: _only("length_penalty (beam search)", 1.0, 1) = None
@@ -261,8 +196,10 @@ class FunctionDefinition(APIRequest):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     """The arguments' JSON Schema (none: any JSON object)."""
-    strict: bool | None = None
-    """Accepted; the arguments follow the schema under ``tool_choice`` required or named."""
+    strict: bool | None = Field(default=None, description=(
+        "Accepted, true or false alike: under tool_choice required or a named function the "
+        "arguments are always constrained to follow `parameters` (as if strict were true); "
+        "under auto they are what the model wrote."))
 
 
 class ChatTool(APIRequest):

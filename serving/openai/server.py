@@ -2,8 +2,9 @@
 
 ``build_app(client)`` makes the ASGI app (testable without a socket); ``serve(config, ...)``
 starts an engine and runs the app under uvicorn until interrupted. Routes:
-``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-server-sent-event streaming), ``POST /tokenize`` and ``/detokenize`` (``tokenize_routes``),
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and
+``POST /v1/responses`` (``responses``: a chat completion in the Responses shape), each with
+server-sent-event streaming, ``POST /tokenize`` and ``/detokenize`` (``tokenize_routes``),
 the Batch API when a batch directory is given (``serving.batch_api``), ``GET /health``,
 ``GET /version`` and ``GET /metrics`` (Prometheus). With an API key every route but ``/health``
 needs ``Authorization: Bearer <key>``. With allowed origins, browsers on those origins may call
@@ -53,6 +54,8 @@ from pagedserve.serving.openai.protocol import (
 from pagedserve.serving.openai.read_limits import BodyLimits
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.request_ids import RequestIdMiddleware
+from pagedserve.serving.openai.responses import ResponsesEndpoint, prepare_responses
+from pagedserve.serving.openai.responses_protocol import ResponsesRequest
 from pagedserve.serving.openai.tokenize_routes import tokenize_router
 from pagedserve.serving.openai.write_timeout import WriteTimeout
 from pagedserve.serving.reasoning_parsers import REASONING_PARSERS
@@ -251,6 +254,10 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _interactive(ctx, prepare_chat(ctx, body), raw)
 
+    @app.post("/v1/responses", responses=_ANSWERS)
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await _interactive(ctx, prepare_responses(ctx, body), raw)
+
     app.include_router(tokenize_router(ctx))
     app.state.batches = None
     upload_limits: dict[str, int | None] = {}
@@ -275,7 +282,9 @@ def build_app(
     return app
 
 
-async def _interactive(ctx: ServerContext, prepare: Awaitable[Endpoint], raw: Request) -> Response:
+async def _interactive(
+    ctx: ServerContext, prepare: Awaitable[Endpoint | ResponsesEndpoint], raw: Request
+) -> Response:
     """Answer one interactive call, counted in ``ctx.interactive`` until its answer is over
     (the batch runner holds its lines back meanwhile)."""
     ctx.interactive.enter()

@@ -1,56 +1,25 @@
-"""Tool calling on ``/v1/chat/completions``: what ``tools`` and ``tool_choice`` ask of the
-prompt, the constraint and the answer.
-
-The tools go to the chat template (transformers renders them as the model was trained to see
-them). ``tool_choice``:
-
-- ``none``: the tools are shown, the answer is plain content;
-- ``auto`` (the default with tools): the model chooses, and the server's tool-call parser
-  (``--tool-call-parser``, else the one the template's syntax shows) reads its calls from the
-  text;
-- ``required``: the structured-output constraint makes the answer a JSON list of one or more
-  ``{"name", "parameters"}`` calls of the given tools, each against its function's schema;
-- a named function: the constraint makes the whole answer that function's arguments.
-
-So under ``required`` and a named function the arguments always parse and follow the schema,
-whatever the model. ``ChatText`` turns a completion's text into the message, or into stream
-deltas as OpenAI streams them: a call's id, type and name first, then its argument fragments
-(and a thinking model's reasoning, split off by ``--reasoning-parser``, as
-``reasoning_content``).
+"""Tool calling on ``/v1/chat/completions``: the request's ``tools`` and ``tool_choice`` planned
+as every front end plans them (``serving.tool_plan``: the tools for the chat template, the
+constraint of ``required`` and a named function, the parser of ``auto``), answered as HTTP
+errors here. ``ChatText`` turns a completion's text into the message, or into stream deltas as
+OpenAI streams them: a call's id, type and name first, then its argument fragments (and a
+thinking model's reasoning, split off by ``--reasoning-parser``, as ``reasoning_content``).
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.messages import StructuredOutputsParams
 from pagedserve.serving.openai.api_errors import APIError
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from pagedserve.serving.reasoning_parsers import ReasoningFormat
-from pagedserve.serving.tool_parsers import (
-    ParsedText,
-    ToolCallFormat,
-    detect_tool_call_parser,
-    named_call,
-    required_calls,
-    tool_call_format,
-)
+from pagedserve.serving.tool_parsers import ParsedText, ToolCallFormat
+from pagedserve.serving.tool_plan import ToolChoiceError, ToolPlan, call_id
+from pagedserve.serving.tool_plan import plan_tools as _plan_tools
 
 __all__ = ["ChatText", "ToolPlan", "message_dict", "plan_tools", "template_tools"]
-
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-@dataclass(frozen=True, slots=True)
-class ToolPlan:
-    tools: list[dict[str, Any]] | None
-    """For the chat template (None: no tools given)."""
-    constraint: StructuredOutputsParams | None = None
-    fmt: ToolCallFormat | None = None
-    """How to read calls from the answer (None: it is all content)."""
 
 
 def plan_tools(body: ChatCompletionRequest, parser: str | None,
@@ -58,49 +27,19 @@ def plan_tools(body: ChatCompletionRequest, parser: str | None,
     """The plan for ``body``'s tools; ``parser`` is the server's ``--tool-call-parser`` (None:
     detect it from ``chat_template``). Raises ``APIError`` naming the field at fault."""
     choice = body.tool_choice
-    if not body.tools:
-        if choice is not None and choice != "none":
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        return ToolPlan(None)
-    tools = template_tools(body.tools)
-    functions = {t.function.name: t.function for t in body.tools}
-    if len(functions) != len(body.tools):
-        raise APIError(400, "tools name the same function twice", param="tools")
-    if choice == "none":
-        return ToolPlan(tools)
-    if choice is None or choice == "auto":
-        name = parser or detect_tool_call_parser(chat_template)
-        if name is None:
-            raise APIError(
-                400, "tool_choice auto needs a tool-call parser: start the server with "
-                "--tool-call-parser (this model's chat template shows no known call syntax); "
-                "tool_choice required or a named function work without one",
-                param="tool_choice")
-        return ToolPlan(tools, fmt=tool_call_format(name))
-    if choice == "required":
-        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {
-                "name": {"const": f.name}, "parameters": f.parameters or _ANY_OBJECT},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for f in functions.values()]}}
-        if body.parallel_tool_calls is False:
-            calls["maxItems"] = 1
-        return ToolPlan(tools, _constraint(calls), required_calls)
-    fn = functions.get(choice.function.name)
-    if fn is None:
-        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among "
-                       "the tools", param="tool_choice")
-    return ToolPlan(tools, _constraint(fn.parameters or _ANY_OBJECT), named_call(fn.name))
+    try:
+        return _plan_tools(
+            template_tools(body.tools) if body.tools else None,
+            choice if choice is None or isinstance(choice, str) else choice.model_dump(),
+            parser=parser, chat_template=chat_template,
+            parallel_tool_calls=body.parallel_tool_calls)
+    except ToolChoiceError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
 
 
 def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
     """OpenAI's function definitions as the chat template takes them."""
     return [t.model_dump(exclude_none=True) for t in tools]
-
-
-def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
-    # Compact JSON: a model that may write any whitespace can also fail to stop writing it.
-    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -125,10 +64,6 @@ def _arguments(text: str) -> Any:
     except ValueError:
         raise APIError(400, f"a tool call's arguments are not JSON: {text[:60]!r}",
                        param="messages") from None
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass
@@ -164,7 +99,7 @@ class ChatText:
             return message, finish_reason
         message["content"] = parsed.content or None
         message["tool_calls"] = [
-            {"id": _call_id(), "type": "function",
+            {"id": call_id(), "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return message, self._called(finish_reason)
 
@@ -194,7 +129,7 @@ class ChatText:
             if call.name is None:
                 break
             if k == len(self._ids):
-                self._ids.append(_call_id())
+                self._ids.append(call_id())
                 self._args_sent.append(0)
                 calls.append({"index": k, "id": self._ids[k], "type": "function",
                               "function": {"name": call.name, "arguments": ""}})

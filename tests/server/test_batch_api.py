@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx2 as httpx
+import jsonschema
 import openai
 import pytest
 
@@ -107,6 +108,43 @@ def test_chat_batch_answers_as_the_endpoint_does(env) -> None:
     direct = httpx.post(f"{env.url}/v1/chat/completions", json=body, timeout=60).json()
     assert rec["response"]["body"]["object"] == "chat.completion"
     assert rec["response"]["body"]["choices"] == direct["choices"]
+
+
+def test_constrained_lines_validate_and_a_bad_schema_fails_alone(env) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    enum = {"enum": ["left", "right"]}  # guided_json cannot be compact: no room for whitespace
+    chat = {"messages": [{"role": "user", "content": "A record"}], "temperature": 1.0,
+            "max_completion_tokens": 48}
+    # Compact JSON: a random model, free to add whitespace, rarely stops adding it.
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+
+    def fmt(s: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": {"name": "rec", "schema": s}}
+
+    bodies = {
+        "fmt": {**chat, "seed": 1, "n": 2, "response_format": fmt(schema), **compact},
+        "so": {**chat, "seed": 2, "structured_outputs": {"json": schema,
+                                                         "disable_any_whitespace": True}},
+        "guided": {**chat, "seed": 3, "guided_json": enum},
+        "bad": {**chat, "response_format": fmt({"type": "object", "minProperties": "two"})},
+        "plain": {**chat, "max_completion_tokens": 3},
+    }
+    lines = [_line(cid, body, "/v1/chat/completions") for cid, body in bodies.items()]
+    batch = _run(env, lines, endpoint="/v1/chat/completions")
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    out, err = _records(env, batch.output_file_id), _records(env, batch.error_file_id)
+    for cid, want in (("fmt", schema), ("so", schema), ("guided", enum)):
+        choices = out[cid][0]["response"]["body"]["choices"]
+        assert len(choices) == bodies[cid].get("n", 1)
+        for choice in choices:
+            assert choice["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(choice["message"]["content"]), want)
+    (rec,) = err["bad"]
+    assert rec["response"]["status_code"] == 400
+    assert rec["response"]["body"]["error"]["param"] == "response_format"
+    assert "minProperties" in rec["error"]["message"]
 
 
 def test_malformed_lines_get_errors_and_the_batch_goes_on(env) -> None:

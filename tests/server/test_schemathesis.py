@@ -30,8 +30,9 @@ def app(llama_dir, srv) -> Iterator[Any]:
 def _shrink(case: Any) -> None:
     """Keep generation cheap on 2 cores: a few tokens exercise the same path."""
     if isinstance(case.body, dict):
-        if isinstance(case.body.get("max_tokens"), int) and case.body["max_tokens"] > 8:
-            case.body["max_tokens"] = 8
+        for name in ("max_tokens", "max_output_tokens"):
+            if isinstance(case.body.get(name), int) and case.body[name] > 8:
+                case.body[name] = 8
         if isinstance(case.body.get("n"), int) and case.body["n"] > 4:
             case.body["n"] = 4
 
@@ -56,4 +57,5 @@ def test_api_conforms_to_its_schema(app) -> None:
     print("schemathesis cases per operation:", cases)
     # Operations without parameters have one case; the two completion endpoints get many.
     assert cases["POST /v1/completions"] >= 20 and cases["POST /v1/chat/completions"] >= 20
+    assert cases["POST /v1/responses"] >= 20
     assert {"GET /health", "GET /metrics", "GET /v1/models"} <= set(cases)
