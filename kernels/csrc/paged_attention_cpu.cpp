@@ -273,6 +273,17 @@ struct Rows {
 #else
   static constexpr bool widen_q = !std::is_same_v<Q, float>;
 #endif
+  // P V by vdpbf16ps where q and the cache are bf16: the probabilities rounded to bf16 (as the
+  // model's own matmuls round their inputs) and two keys' value rows per instruction, read as
+  // stored. Each accumulator pair then holds a 32-dim run of the output in the lane order of
+  // unpacklo/hi_epi16 (per 128-bit lane: dims 0-3 in the first, 4-7 in the second), which
+  // finish() puts back. Half the vector ops of widening every value row and one FMA per key
+  // and row: a decode's attention is bound by its vector ops, not by the bytes it reads.
+#if defined(__AVX512BF16__)
+  static constexpr bool pv_pairs = std::is_same_v<Q, bf16> && std::is_same_v<KV, bf16>;
+#else
+  static constexpr bool pv_pairs = false;
+#endif
   const Q* q[R];
   int64_t pos[R], tok[R], head[R];
   alignas(64) float qf[widen_q ? R : 1][D];
@@ -338,22 +349,70 @@ struct Rows {
       _mm512_store_ps(p[r], e);
       l[r] += _mm512_reduce_add_ps(e);
     }
-    for (int64_t j = 0; j < nj; ++j) {
-      for (int c = 0; c < C; ++c) {
-        const __m512 vv = load16(v + j * row_stride + 16 * c);
-        for (int r = 0; r < R; ++r) {
-          acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, acc[r][c]);
+    if constexpr (pv_pairs) {
+      pv_by_pairs(p, v, row_stride, nj);
+    } else {
+      for (int64_t j = 0; j < nj; ++j) {
+        for (int c = 0; c < C; ++c) {
+          const __m512 vv = load16(v + j * row_stride + 16 * c);
+          for (int r = 0; r < R; ++r) {
+            acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, acc[r][c]);
+          }
         }
       }
     }
   }
+
+#if defined(__AVX512BF16__)
+  // acc += p V over nj keys (p zero past nj), keys paired: lane i of a pair register holds
+  // (v_j[d], v_j+1[d]) and the broadcast (p_j, p_j+1), so vdpbf16ps adds both products. An odd
+  // last key pairs with zeros, not with the row past the chunk (another block's bytes).
+  __attribute__((always_inline)) inline void pv_by_pairs(const float (&p)[R][16], const KV* v,
+                                                         int64_t row_stride, int64_t nj) {
+    alignas(64) uint32_t pp[R][8];  // bf16 pairs (p_2i, p_2i+1)
+    for (int r = 0; r < R; ++r) {
+      const __m256bh pb = _mm512_cvtneps_pbh(_mm512_load_ps(p[r]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), reinterpret_cast<__m256i>(pb));
+    }
+    for (int64_t j = 0; j < nj; j += 2) {
+      const bool two = j + 1 < nj;
+      for (int h = 0; h < D / 32; ++h) {
+        const __m512i a = _mm512_loadu_si512(v + j * row_stride + 32 * h);
+        const __m512i b = two ? _mm512_loadu_si512(v + (j + 1) * row_stride + 32 * h)
+                              : _mm512_setzero_si512();
+        const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+        for (int r = 0; r < R; ++r) {
+          const __m512bh pr = reinterpret_cast<__m512bh>(
+              _mm512_set1_epi32(static_cast<int32_t>(pp[r][j / 2])));
+          acc[r][2 * h] = _mm512_dpbf16_ps(acc[r][2 * h], lo, pr);
+          acc[r][2 * h + 1] = _mm512_dpbf16_ps(acc[r][2 * h + 1], hi, pr);
+        }
+      }
+    }
+  }
+#endif
 
   void finish(const Args<Q, KV>& a) const {
     for (int r = 0; r < R; ++r) {
       Q* o = a.out + tok[r] * a.o_st + head[r] * a.o_sh;
       const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
       alignas(64) float row[D];
-      for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+      if constexpr (pv_pairs) {  // lane 4L + t of a pair: dims 8L + t and 8L + 4 + t of its run
+        alignas(64) float lo[16], hi[16];
+        for (int h = 0; h < D / 32; ++h) {
+          _mm512_store_ps(lo, _mm512_mul_ps(acc[r][2 * h], inv));
+          _mm512_store_ps(hi, _mm512_mul_ps(acc[r][2 * h + 1], inv));
+          for (int lane = 0; lane < 4; ++lane) {
+            for (int t = 0; t < 4; ++t) {
+              row[32 * h + 8 * lane + t] = lo[4 * lane + t];
+              row[32 * h + 8 * lane + 4 + t] = hi[4 * lane + t];
+            }
+          }
+        }
+      } else {
+        for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+      }
 #pragma omp simd
       for (int i = 0; i < D; ++i) o[i] = store<Q>(row[i]);
       if (a.lse != nullptr) {
