@@ -1,0 +1,91 @@
+"""The CPU paged-attention kernel against its own source at another revision, in one process.
+
+Each revision's ``kernels/csrc/paged_attention_cpu.cpp`` (the working tree's, and the one
+``git show REV:...`` gives) is built as its own extension, its op registered under a namespace
+of its own, with the headers of the working tree and the library's compiler flags; the two then
+take the same decode steps call by call, alternating (``cpu_kernels.time_alternating``), so
+that a noisy machine's drift hits both. A step is S sequences of one new token after ``ctx``
+cached tokens (SmolLM2's heads by default: 9 query heads over 3 kv heads of 64), block size
+16. Prints each revision's median time, their ratio and the largest difference between their
+outputs.
+
+    python benchmarks/scripts/attention_ab.py --baseline HEAD~1
+    python benchmarks/scripts/attention_ab.py --baseline HEAD~1 --threads 2 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from cpu_kernels import time_alternating
+from torch.utils.cpp_extension import load
+
+from pagedserve.kernels.cpu import _FLAGS
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCE = "kernels/csrc/paged_attention_cpu.cpp"
+
+
+def build(text: str, name: str, tmp: Path) -> object:
+    """The kernel source ``text`` as extension ``name``, its op under namespace ``name``."""
+    src = tmp / f"{name}.cpp"
+    src.write_text(re.sub(r"TORCH_LIBRARY(_FRAGMENT)?\(pagedserve_cpu",
+                          f"TORCH_LIBRARY({name}", text))
+    load(name=f"{name}_ext", sources=[str(src)], extra_include_paths=[str((REPO / SOURCE).parent)],
+         extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
+         build_directory=str(tmp), verbose=False)
+    return getattr(torch.ops, name).paged_attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="the revision to compare against")
+    ap.add_argument("--steps", default="64x128,64x512,32x512,8x512",
+                    help="decode steps, SEQUENCESxCONTEXT, comma-separated")
+    ap.add_argument("--heads", default="9,3,64", help="query heads, kv heads, head dim")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=150)
+    args = ap.parse_args()
+    base_text = subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], cwd=REPO,
+                               check=True, capture_output=True, text=True).stdout
+    torch.set_num_threads(args.threads)
+    hq, hkv, d = (int(x) for x in args.heads.split(","))
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory(prefix="attention-ab-") as tmpdir:
+        tmp = Path(tmpdir)
+        ops = {"baseline": build(base_text, "pa_baseline", tmp),
+               "working tree": build((REPO / SOURCE).read_text(), "pa_working", tmp)}
+        print(f"baseline {args.baseline}, {args.dtype}, heads {hq}/{hkv}x{d}, threads "
+              f"{args.threads}, median of {args.reps} alternated calls\n")
+        print("| step | baseline (us) | working tree (us) | baseline / working tree "
+              "| max output difference |")
+        print("|---|---|---|---|---|")
+        for step in args.steps.split(","):
+            s, ctx = (int(x) for x in step.split("x"))
+            bs = 16
+            per = -(-(ctx + 1) // bs)
+            g = torch.Generator().manual_seed(s * 1000 + ctx)
+            cache = torch.randn(s * per + 1, 2, bs, hkv, d, generator=g).to(dtype)
+            table = torch.arange(s * per, dtype=torch.int32).view(s, per) + 1
+            q = torch.randn(s, hq, d, generator=g).to(dtype)
+            cu = torch.arange(s + 1, dtype=torch.int32)
+            lens = torch.full((s,), ctx + 1, dtype=torch.int32)
+            outs = {k: torch.empty_like(q) for k in ops}
+            calls = [functools.partial(op, q, cache, outs[k], cu, lens, table, d**-0.5, -1,
+                                       torch.empty(0)) for k, op in ops.items()]
+            t_base, t_new = time_alternating(calls, args.reps)
+            diff = (outs["baseline"].float() - outs["working tree"].float()).abs().max().item()
+            print(f"| decode {s} x {ctx} | {t_base * 1e6:.0f} | {t_new * 1e6:.0f} | "
+                  f"{t_base / t_new:.2f}x | {diff:.2g} |")
+
+
+if __name__ == "__main__":
+    main()
