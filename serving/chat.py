@@ -11,6 +11,7 @@ tokenizer does the work.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,8 @@ from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.serving.chat_control import encode_marked, mark, template_roles, unmark
 
 __all__ = [
-    "ChatError", "Conversation", "as_conversations", "chat_prompts", "render_chat", "user_turn",
+    "ChatError", "Conversation", "as_conversations", "chat_prompts", "render_chat",
+    "template_message", "user_turn",
 ]
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -39,15 +41,72 @@ def _check(conversation: Any) -> list[dict[str, Any]]:
         isinstance(conversation, (str, bytes))
         or not isinstance(conversation, Sequence)
         or not conversation
-        or not all(
-            isinstance(m, Mapping)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-            for m in conversation
-        )
+        or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                   for m in conversation)
     ):
-        raise ChatError("messages must be a non-empty list of {role, content} string objects")
-    return [dict(m) for m in conversation]
+        raise ChatError("messages must be a non-empty list of {role, content} objects")
+    return [template_message(m, i) for i, m in enumerate(conversation)]
+
+
+def template_message(message: Mapping[str, Any], index: int = 0) -> dict[str, Any]:
+    """An OpenAI chat message as the chat template takes it; raises ``ChatError``.
+
+    The shapes ``/v1/chat/completions`` accepts: ``content`` a string, a list of text parts
+    (joined) or None (an assistant turn that only calls tools; rendered as ``""``, since
+    templates test it as text); an assistant's ``tool_calls`` with each call's ``arguments``
+    parsed from its JSON text into an object (templates write them with ``tojson``, which
+    would quote a string twice); a ``tool`` result's ``tool_call_id``. Other keys reach the
+    template as given. The server's messages, validated by its schema first, and
+    ``LLM.chat``'s plain dicts both pass through here, so they render alike."""
+    where = f"messages[{index}]"
+    msg = dict(message)
+    msg["content"] = _content_text(msg.get("content"), where)
+    for key in ("name", "tool_call_id"):
+        if key in msg and msg[key] is not None and not isinstance(msg[key], str):
+            raise ChatError(f"{where}.{key} must be a string")
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+            raise ChatError(f"{where}.tool_calls must be a list of calls")
+        msg["tool_calls"] = [_template_call(c, f"{where}.tool_calls[{k}]")
+                             for k, c in enumerate(calls)]
+        if not calls:  # left out, as no calls: templates test ``tool_calls is defined``
+            del msg["tool_calls"]
+    return msg
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (bytes, Mapping)) and isinstance(content, Sequence) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise ChatError(f"{where}.content must be a string, a list of "
+                    '{"type": "text", "text": ...} parts, or null')
+
+
+def _template_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if (
+        not isinstance(fn, Mapping)
+        or not isinstance(call.get("id"), str)
+        or call.get("type", "function") != "function"
+        or not isinstance(fn.get("name"), str)
+        or not isinstance(fn.get("arguments"), str)
+    ):
+        raise ChatError(f'{where} must be {{"id", "type": "function", "function": {{"name", '
+                        '"arguments" (JSON text)}}')
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        raise ChatError(f"{where}: a tool call's arguments are not JSON: "
+                        f"{fn['arguments'][:60]!r}") from None
+    return {"id": call["id"], "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments}}
 
 
 def _check_roles(messages: list[dict[str, Any]], template: str | None) -> None:

@@ -62,6 +62,7 @@ class LLM:
         self.client: EngineClient | None = start_engine(self.config, backend=self.backend)
         self.tokenizer = self.client.tokenizer
         self._ids = itertools.count()
+        self._told_unread = False  # chat's ``auto`` without a parser is logged once, not per call
 
     @property
     def engine(self) -> EngineCore:
@@ -149,6 +150,10 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         to a list of them, each rendered through the model's chat template (or
         ``chat_template``); one output per conversation, in order. Raises ``ChatError``.
+        Messages take the shapes of the server's chat completions: an assistant's
+        ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments"}}``,
+        content None or text), a ``tool`` result with its ``tool_call_id``, content as text or
+        a list of text parts; so a call and its result go back for the next turn.
 
         ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` definitions) reach the
         template, and ``tool_choice`` (``none``, ``auto`` (the default), ``required`` or
@@ -156,12 +161,16 @@ class LLM:
         completions: ``required`` and a named function constrain the output so that the
         arguments follow the function's schema (the sampling params must then set no
         ``structured_outputs`` of their own); ``auto`` reads the calls the model writes with
-        ``tool_call_parser`` (None: the format the template shows). Each completion's
-        ``tool_calls`` lists the calls found. Raises ``ToolChoiceError`` for tools it cannot
-        serve."""
+        ``tool_call_parser`` (None: the format the template shows; with neither, as in vLLM's
+        ``chat``, the tools are only rendered and ``tool_calls`` stays None, logged once).
+        Each completion's ``tool_calls`` lists the calls found. Raises ``ToolChoiceError`` for
+        tools it cannot serve."""
         template = chat_template or (self.tokenizer.chat_template if self.tokenizer else None)
         plan = plan_tools(tools, tool_choice, parser=tool_call_parser, chat_template=template,
-                          parallel_tool_calls=parallel_tool_calls)
+                          parallel_tool_calls=parallel_tool_calls, require_parser=False)
+        if plan.unread is not None and not self._told_unread:
+            self._told_unread = True
+            logger.info("%s", plan.unread)
         prompts = chat_prompts(
             self.tokenizer, messages, chat_template=chat_template,
             add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs,

@@ -6,7 +6,9 @@ them). ``tool_choice``:
 
 - ``none``: the tools are shown, the answer is plain content;
 - ``auto`` (the default with tools): the model chooses, and a tool-call parser (the one asked
-  for, else the one the template's syntax shows) reads its calls from the text;
+  for, else the one the template's syntax shows) reads its calls from the text. With neither,
+  the server refuses (its clients act on parsed calls) while ``LLM.chat`` renders the tools
+  and reads no calls, as vLLM's does (``require_parser=False``);
 - ``required``: the structured-output constraint makes the answer a JSON list of one or more
   ``{"name", "parameters"}`` calls of the given tools, each against its function's schema;
 - a named function (``{"type": "function", "function": {"name": ...}}``): the constraint makes
@@ -57,6 +59,8 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None
     fmt: ToolCallFormat | None = None
     """How to read calls from the answer (None: it is all content)."""
+    unread: str | None = None
+    """Why ``auto`` reads no calls (no parser asked for or shown), for the caller's log."""
 
     def calls(self, text: str) -> list[dict[str, str]] | None:
         """The calls a whole answer makes, as ``{"id", "name", "arguments"}`` (the arguments'
@@ -74,10 +78,13 @@ def plan_tools(
     parser: str | None,
     chat_template: str | None,
     parallel_tool_calls: bool | None = None,
+    require_parser: bool = True,
 ) -> ToolPlan:
     """The plan for OpenAI-style tool definitions (``{"type": "function", "function": {"name",
     "description", "parameters"}}``) and ``tool_choice``; ``parser`` names the tool-call format
-    of ``auto`` (None: detect it from ``chat_template``). Raises ``ToolChoiceError``."""
+    of ``auto`` (None: detect it from ``chat_template``). ``auto`` with no format to read is
+    refused unless ``require_parser`` is False: then the tools are rendered and no calls read
+    (``ToolPlan.unread`` says why). Raises ``ToolChoiceError``."""
     if not tools:
         if tool_choice is not None and tool_choice != "none":
             raise ToolChoiceError("tool_choice needs tools", "tool_choice")
@@ -88,6 +95,11 @@ def plan_tools(
         return ToolPlan(template)
     if tool_choice is None or tool_choice == "auto":
         name = parser or detect_tool_call_parser(chat_template)
+        if name is None and not require_parser:
+            return ToolPlan(template, unread=(
+                "tool_choice auto reads no tool calls: no tool_call_parser was given and the "
+                "chat template shows no known call syntax; the tools are rendered, and the "
+                "replies are plain text (pass tool_call_parser to read calls)"))
         if name is None:
             raise ToolChoiceError(
                 "tool_choice auto needs a tool-call parser (--tool-call-parser, or "

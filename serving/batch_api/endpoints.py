@@ -1,5 +1,6 @@
 """One batch line's body through the HTTP endpoint's own code: the same validation, the same
-answer (``prepare_completion`` / ``prepare_chat``, ``Endpoint.respond``), the same errors."""
+answer (``prepare_completion`` / ``prepare_chat`` / ``prepare_responses``, then ``respond``),
+the same errors."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from pagedserve.serving.openai.api_errors import APIError, validation_error
 from pagedserve.serving.openai.engine_run import ServerContext
 from pagedserve.serving.openai.prepare import prepare_chat, prepare_completion
 from pagedserve.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.serving.openai.responses import prepare_responses
+from pagedserve.serving.openai.responses_protocol import ResponsesRequest
 
 __all__ = ["ENDPOINTS", "answer_line"]
 
 ENDPOINTS: dict[str, Any] = {
     "/v1/completions": (CompletionRequest, prepare_completion),
     "/v1/chat/completions": (ChatCompletionRequest, prepare_chat),
+    # A Responses object as the body; errors name the Responses fields (``input``, ...).
+    "/v1/responses": (ResponsesRequest, prepare_responses),
 }
 
 

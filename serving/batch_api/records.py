@@ -25,6 +25,7 @@ from pagedserve.serving.request_fields import CONSTRAINT_FIELDS
 __all__ = [
     "BATCH_ENDPOINTS",
     "DUPLICATE",
+    "JOB_ENDPOINTS",
     "BatchLine",
     "LineTracker",
     "input_lines",
@@ -33,7 +34,10 @@ __all__ = [
     "record",
 ]
 
-BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# A ``generate --input`` job line asks for a completion or a chat reply; the Batch API runs
+# Responses lines too (through the server's endpoint, which the job does without).
+JOB_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+BATCH_ENDPOINTS = (*JOB_ENDPOINTS, "/v1/responses")
 DUPLICATE = "duplicate_custom_id"
 
 
@@ -139,13 +143,13 @@ def job_fields(obj: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
     if url is None:
-        url = BATCH_ENDPOINTS[1] if "messages" in body else BATCH_ENDPOINTS[0]
-    if url not in BATCH_ENDPOINTS:
-        raise ValueError(f"url must be one of {', '.join(BATCH_ENDPOINTS)}, got {url!r}")
+        url = JOB_ENDPOINTS[1] if "messages" in body else JOB_ENDPOINTS[0]
+    if url not in JOB_ENDPOINTS:
+        raise ValueError(f"url must be one of {', '.join(JOB_ENDPOINTS)}, got {url!r}")
     fields: dict[str, Any] = {k: body[k] for k in _JOB_BODY_FIELDS if body.get(k) is not None}
     if body.get("max_completion_tokens") is not None:
         fields["max_tokens"] = body["max_completion_tokens"]
-    if url == BATCH_ENDPOINTS[1]:
+    if url == JOB_ENDPOINTS[1]:
         fields["messages"] = body.get("messages")
     else:
         prompt = body.get("prompt")

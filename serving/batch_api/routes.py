@@ -3,8 +3,9 @@
 
 Routes: ``POST /v1/files`` (multipart ``file`` + ``purpose=batch``), ``GET /v1/files``,
 ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``,
-``POST /v1/batches`` (``input_file_id``, ``endpoint`` ``/v1/completions`` or
-``/v1/chat/completions``, ``completion_window`` ``24h``, optional ``metadata``),
+``POST /v1/batches`` (``input_file_id``, ``endpoint`` ``/v1/completions``,
+``/v1/chat/completions`` or ``/v1/responses``, ``completion_window`` ``24h``, optional
+``metadata``),
 ``GET /v1/batches`` (newest first, ``limit`` and ``after``), ``GET /v1/batches/{id}`` and
 ``POST /v1/batches/{id}/cancel``. Bad input answers with the OpenAI error body.
 """

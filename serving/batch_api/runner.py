@@ -1,7 +1,7 @@
 """Runs the Batch API's batches, line by line, through the HTTP endpoints' own code.
 
-A line's body is validated and answered by the same functions as ``/v1/completions`` and
-``/v1/chat/completions`` (``prepare_completion`` / ``prepare_chat``, ``Endpoint.respond``),
+A line's body is validated and answered by the same functions as ``/v1/completions``,
+``/v1/chat/completions`` and ``/v1/responses`` (``batch_api.endpoints``),
 so a line's response body is what the endpoint would have answered, and a body the endpoint
 rejects gets the endpoint's error (with its status) in the error file.
 

@@ -24,7 +24,7 @@ from pagedserve.serving.openai.request_checks import (
     check_prompt_chars,
     check_stops,
 )
-from pagedserve.serving.openai.tools import message_dict, plan_tools
+from pagedserve.serving.openai.tools import plan_tools
 from pagedserve.serving.reasoning_parsers import REASONING_PARSERS
 
 __all__ = [
@@ -309,7 +309,8 @@ def render_chat(
     tok = client.tokenizer
     if tok is None:
         raise APIError(400, "chat needs a tokenizer with a chat template", param="messages")
-    msgs = [message_dict(m) for m in chat]
+    # Turned into template input by ``serving.chat.template_message``, as ``LLM.chat``'s are.
+    msgs = [m.model_dump(exclude_none=True) for m in chat]
     try:
         text, ids = render_conversation(
             tok, msgs, add_generation_prompt=add_prompt,

@@ -8,18 +8,17 @@ thinking model's reasoning, split off by ``--reasoning-parser``, as ``reasoning_
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.serving.openai.api_errors import APIError
-from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
+from pagedserve.serving.openai.protocol import ChatCompletionRequest, ChatTool
 from pagedserve.serving.reasoning_parsers import ReasoningFormat
 from pagedserve.serving.tool_parsers import ParsedText, ToolCallFormat
 from pagedserve.serving.tool_plan import ToolChoiceError, ToolPlan, call_id
 from pagedserve.serving.tool_plan import plan_tools as _plan_tools
 
-__all__ = ["ChatText", "ToolPlan", "message_dict", "plan_tools", "template_tools"]
+__all__ = ["ChatText", "ToolPlan", "plan_tools", "template_tools"]
 
 
 def plan_tools(body: ChatCompletionRequest, parser: str | None,
@@ -40,30 +39,6 @@ def plan_tools(body: ChatCompletionRequest, parser: str | None,
 def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
     """OpenAI's function definitions as the chat template takes them."""
     return [t.model_dump(exclude_none=True) for t in tools]
-
-
-def message_dict(m: ChatMessage) -> dict[str, Any]:
-    """A request message as the chat template takes it: a call's arguments as an object
-    (templates write them with ``tojson``), a tool result with its call's id."""
-    msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-    if m.name is not None:
-        msg["name"] = m.name
-    if m.tool_calls:
-        msg["tool_calls"] = [
-            {"id": c.id, "type": c.type,
-             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-            for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        msg["tool_call_id"] = m.tool_call_id
-    return msg
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise APIError(400, f"a tool call's arguments are not JSON: {text[:60]!r}",
-                       param="messages") from None
 
 
 @dataclass

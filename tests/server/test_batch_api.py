@@ -147,6 +147,43 @@ def test_constrained_lines_validate_and_a_bad_schema_fails_alone(env) -> None:
     assert "minProperties" in rec["error"]["message"]
 
 
+def test_responses_lines_answer_as_the_endpoint_does(env) -> None:
+    from openai.types.responses import Response
+
+    record = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    text = {"input": "Hello there", "max_output_tokens": 6, "temperature": 0.0}
+    bodies = {
+        "text": text,
+        "fmt": {"input": "A record.", "temperature": 1.0, "max_output_tokens": 48,
+                "text": {"format": {"type": "json_schema", "name": "rec", "schema": record,
+                                    "strict": True}}},
+        "empty": {"input": []},  # refused as /v1/responses refuses it, naming input
+    }
+    lines = [_line(cid, body, "/v1/responses") for cid, body in bodies.items()]
+    batch = _run(env, lines, endpoint="/v1/responses")
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    out, err = _records(env, batch.output_file_id), _records(env, batch.error_file_id)
+    answers = {cid: Response.model_validate(out[cid][0]["response"]["body"])
+               for cid in ("text", "fmt")}
+    for cid, resp in answers.items():
+        assert resp.object == "response" and resp.id.startswith("resp_")
+        assert out[cid][0]["response"]["request_id"] == resp.id
+    direct = Response.model_validate(
+        httpx.post(f"{env.url}/v1/responses", json=text, timeout=60).json())
+    got = answers["text"]
+    assert (got.output_text, got.status, got.usage.output_tokens) == (
+        direct.output_text, direct.status, direct.usage.output_tokens)
+    assert got.usage.output_tokens > 0
+    assert answers["fmt"].status == "completed"  # the constrained record ends itself
+    assert answers["fmt"].text.format.type == "json_schema"
+    jsonschema.validate(json.loads(answers["fmt"].output_text), record)
+    (rec,) = err["empty"]
+    assert rec["response"]["status_code"] == 400
+    assert rec["response"]["body"]["error"]["param"] == "input"
+
+
 def test_malformed_lines_get_errors_and_the_batch_goes_on(env) -> None:
     ok = {"prompt": "fine", "max_tokens": 2}
     lines: list[Any] = [

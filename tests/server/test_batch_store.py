@@ -119,6 +119,8 @@ def test_job_fields_maps_openai_lines() -> None:
     ids = job_fields({"custom_id": "c2", "body": {"prompt": [1, 2], "max_tokens": 3}})
     assert ids == {"id": "c2", "prompt_token_ids": [1, 2], "max_tokens": 3}
     for bad in ({"custom_id": 3, "body": {}}, {"custom_id": "x", "body": []},
-                {"custom_id": "x", "url": "/v1/embeddings", "body": {}}):
+                {"custom_id": "x", "url": "/v1/embeddings", "body": {}},
+                # The Batch API runs Responses lines; a generate job has no Responses endpoint.
+                {"custom_id": "x", "url": "/v1/responses", "body": {"input": "hi"}}):
         with pytest.raises(ValueError):
             job_fields(bad)
