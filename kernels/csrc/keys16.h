@@ -94,6 +94,59 @@ inline __m512 scores16(const bf16* q, const bf16* k, int64_t stride, int64_t nj)
   }
   return reduce16(v);
 }
+
+// scores16 for R query rows against the same keys: each key's row is loaded once for all R
+// rows, and the keys go four at a time through the first two levels of reduce16's tree (whose
+// pairing stays within runs of four keys), so the R * 4 products and the R * 4 partial trees
+// fit the register file. Each row's result is scores16's, bit for bit.
+template <int D, int R>
+inline void scores16_rows(const bf16* const (&q)[R], const bf16* k, int64_t stride, int64_t nj,
+                          __m512 (&out)[R]) {
+  __m512bh qv[R][D / 32];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < D / 32; ++c) {
+      qv[r][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q[r] + 32 * c));
+    }
+  }
+  // Every key row of the chunk asked for at once: the quarters below would otherwise have only
+  // four keys' lines in flight, which starves a context that streams from memory.
+  for (int64_t j = 0; j < nj; ++j) {
+    for (int line = 0; line < D * 2; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k + j * stride) + line, _MM_HINT_T0);
+    }
+  }
+  __m512 b[R][4];
+  for (int quarter = 0; quarter < 4; ++quarter) {
+    __m512 v[R][4];
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = 4 * quarter + jj;
+      for (int r = 0; r < R; ++r) v[r][jj] = _mm512_setzero_ps();
+      if (j < nj) {
+        for (int c = 0; c < D / 32; ++c) {
+          const __m512bh kc =
+              reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + j * stride + 32 * c));
+          for (int r = 0; r < R; ++r) v[r][jj] = _mm512_dpbf16_ps(v[r][jj], qv[r][c], kc);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // reduce16's a and b levels for keys 4q .. 4q+3
+      const __m512 a0 = _mm512_add_ps(_mm512_unpacklo_ps(v[r][0], v[r][1]),
+                                      _mm512_unpackhi_ps(v[r][0], v[r][1]));
+      const __m512 a1 = _mm512_add_ps(_mm512_unpacklo_ps(v[r][2], v[r][3]),
+                                      _mm512_unpackhi_ps(v[r][2], v[r][3]));
+      const __m512d x = _mm512_castps_pd(a0), y = _mm512_castps_pd(a1);
+      b[r][quarter] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // reduce16's c level and the last
+    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[r][0], b[r][1], 0x88),
+                                    _mm512_shuffle_f32x4(b[r][0], b[r][1], 0xdd));
+    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[r][2], b[r][3], 0x88),
+                                    _mm512_shuffle_f32x4(b[r][2], b[r][3], 0xdd));
+    out[r] = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xdd));
+  }
+}
 #endif
 
 }  // namespace pagedserve::keys16

@@ -318,6 +318,15 @@ struct Rows {
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j0)));
     const __mmask16 in_chunk = static_cast<__mmask16>((1u << nj) - 1u);
     alignas(64) float p[R][16];
+    __m512 s_rows[R];  // every row's scores at once where rows share the key loads (bf16 pairs)
+    if constexpr (pv_pairs && R > 1) {
+      for (int64_t j = 0; j < nj; ++j) {  // the value rows on their way while the keys score
+        for (int line = 0; line < D * 2; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(v + j * row_stride) + line, _MM_HINT_T0);
+        }
+      }
+      pagedserve::keys16::scores16_rows<D, R>(q, k, row_stride, nj, s_rows);
+    }
     for (int r = 0; r < R; ++r) {
       __mmask16 ok = in_chunk & _mm512_cmple_epi32_mask(
                                     key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
@@ -330,7 +339,9 @@ struct Rows {
         continue;
       }
       __m512 s;
-      if constexpr (widen_q) {
+      if constexpr (pv_pairs && R > 1) {
+        s = s_rows[r];
+      } else if constexpr (widen_q) {
         s = scores16<D>(qf[r], k, row_stride, nj);
       } else {
         s = scores16<D>(q[r], k, row_stride, nj);
