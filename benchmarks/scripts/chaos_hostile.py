@@ -10,6 +10,8 @@ import, so that building a 3 MB prompt costs the storm's client nothing per requ
 
 from __future__ import annotations
 
+import math
+
 import asyncio
 import json
 import random
@@ -150,7 +152,8 @@ def report_lines(c: dict[str, Any], concurrency: int, hostile: int, rounds: int,
         row("storm", lambda r: f"{r['storm_s']:.1f} s"),
         row("`/health` max (P99)", lambda r: f"{r['health']['max_ms']:.0f} ms "
             f"({r['health']['p99_ms']:.0f} ms)"),
-        "", f"P99 with hostile clients / without: **{c['ratio']:.2f}x** (bound {max_ratio:.1f}x);"
+        "", f"P99 with hostile clients / without: **{c['ratio']:.2f}x** "
+        f"({f'bound {max_ratio:.1f}x' if math.isfinite(max_ratio) else 'reported, not bound'});"
         f" hostile drops {c['hostile_drops']}; afterwards running / waiting / KV blocks in use "
         f"{' / '.join(f'{v:.0f}' for v in c['idle'][:3])}.", "",
         "| hostile request | a well-run server | outcomes |", "|---|---|---|",
