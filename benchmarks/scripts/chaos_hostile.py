@@ -10,10 +10,9 @@ import, so that building a 3 MB prompt costs the storm's client nothing per requ
 
 from __future__ import annotations
 
-import math
-
 import asyncio
 import json
+import math
 import random
 from typing import Any
 
