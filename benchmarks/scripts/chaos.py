@@ -279,7 +279,7 @@ def main() -> int:
     if args.quick:
         # Three rounds pooled, so that the P99 is not just the slowest of a few dozen. The
         # ratio is a timing: CI runs this beside other tests, whose bursts fall on one side
-        # (one run in about thirty read 3.9x), so the quick run checks only what holds on any
+        # (a full-suite run once read 3.93x), so the quick run checks only what holds on any
         # machine (no drops, no leaks, recovery, the same text) and reports the ratio.
         args.clients, args.concurrency, args.well_behaved, args.hostile = 60, 12, 60, 4
         args.rounds, args.max_ratio = 3, math.inf
