@@ -158,8 +158,9 @@ def quantize_int8(
 
     The codes are rounded against the scale as stored (``scale_dtype``), so the bfloat16
     rounding of a scale moves no weight by more than half a step."""
-    w = weight.detach().double()
-    w = (hadamard_rows_ref(w, hadamard) if hadamard else w).float()
+    w = weight.detach()
+    # the rotation in float64 (a weight-sized copy only where there is one to compute)
+    w = hadamard_rows_ref(w.double(), hadamard).float() if hadamard else w.float()
     amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     scale = (amax / 127.0).to(scale_dtype)
     q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
