@@ -25,6 +25,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 # Bytes per element of each named dtype (the KV arithmetic of code that has no torch).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 def cache_root() -> Path:
@@ -220,6 +221,68 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (``speculative_config``, spelled as vLLM spells it): a proposer on
+    the controller guesses up to ``num_speculative_tokens`` tokens per request and step, and
+    the workers verify them in the same forward pass. ``method=None``: off."""
+
+    method: str | None = None
+    """``ngram``: prompt lookup (the last n tokens matched against the request's own prompt
+    and output); ``suffix``: suffix trees over the request and recent requests' outputs."""
+    num_speculative_tokens: int = 5
+    """The most drafts per request and step (suffix drafts are often fewer: their length
+    follows the match)."""
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    """``ngram``: the shortest and longest suffix looked up; the longest that occurs wins."""
+    disable_by_batch_size: int | None = 16
+    """Speculation pauses while this many requests or more run: a full batch already keeps
+    the machine busy, and drafts would only take token budget from it. None: never."""
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    """``suffix``: how long a suffix the trees hold, and how many recent requests' outputs
+    the global tree keeps (vLLM keeps 10000; outputs that overlap each other cost up to
+    ``max_tree_depth`` tree nodes a token in this pure-Python tree)."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """``suffix``: drafts at most this many tokens per matched token."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """``suffix``: a draft stops where the tree's estimate that it is right falls below."""
+
+    def __post_init__(self) -> None:
+        if self.method is not None:
+            _check_choice("speculative_config.method", self.method, SPECULATIVE_METHODS)
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens,
+                   1, 64)
+        _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max,
+                   self.prompt_lookup_min)
+        _check_optional_int("speculative_config.disable_by_batch_size",
+                            self.disable_by_batch_size, 1)
+        _check_int("speculative_config.suffix_decoding_max_tree_depth",
+                   self.suffix_decoding_max_tree_depth, 1)
+        _check_int("speculative_config.suffix_decoding_max_cached_requests",
+                   self.suffix_decoding_max_cached_requests, 0)
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"speculative_config.{name}",
+                                  f"must be a number >= 0, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> SpeculativeConfig:
+        """From ``LLM(speculative_config={...})`` or ``--speculative-config JSON``; an unknown
+        key is refused by name."""
+        if options is None:
+            return cls()
+        if not isinstance(options, dict):
+            raise ConfigError("speculative_config", f"must be an object, got {options!r}")
+        for key in options:
+            if key not in cls.__dataclass_fields__:
+                raise ConfigError(f"speculative_config.{key}", "unknown option")
+        return cls(**options)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The whole tree, passed down from the top-level objects."""
 
@@ -227,6 +290,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.cache.block_size % self.parallel.dcp_interleave:
@@ -275,6 +339,7 @@ def from_flat(**kwargs: Any) -> EngineConfig:
         "scheduler": SchedulerConfig,
     }
     sections: dict[str, dict[str, Any]] = {name: {} for name in owners}
+    speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
     for key, value in kwargs.items():
         for section, cls in owners.items():
             if key in cls.__dataclass_fields__:
@@ -287,4 +352,5 @@ def from_flat(**kwargs: Any) -> EngineConfig:
         cache=CacheConfig(**sections["cache"]),
         parallel=ParallelConfig(**sections["parallel"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
+        speculative=speculative,
     )

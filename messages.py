@@ -192,6 +192,10 @@ class SchedulerOutput:
     """Speculative tokens to verify, per request that has any: they follow its known tokens
     and count in its ``num_scheduled_tokens``; the worker samples every one of their positions
     (plus the last known token's) and returns the accepted ones. Empty without a drafter."""
+    block_table_trims: dict[str, int] = field(default_factory=dict)
+    """Requests whose rejected drafts left tail blocks holding nothing, which the controller
+    gave back: each of their block-table rows keeps its first ``n`` blocks. Applied after the
+    drops and before this step's appended blocks; ids a worker does not hold are skipped."""
     token_masks: dict[str, bytes] = field(default_factory=dict)
     """Per request under a structured-output constraint that samples this step, the tokens
     each of its sampled positions may take (its last known token's, then one per draft): rows

@@ -91,6 +91,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=["ray", "local"], default=None)
     s.add_argument("--server-args", default="",
                    help="more options for the started servers, e.g. \"--model DIR\"")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding for the started servers, e.g. "
+                        "'{\"method\": \"ngram\"}'")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--replot", action="store_true",
@@ -126,6 +129,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         so = ServingOptions(out=results_dir(args.out, "serving"), url=args.url, label=args.label,
                             policies=tuple(x for x in args.policies.split(",") if x),
                             burstiness=args.burstiness, server_args=args.server_args,
+                            speculative_config=args.speculative_config,
                             seed=args.seed, quick=args.quick, progress=not args.no_progress,
                             argv=argv)
         so = so.scaled()  # the --quick presets; explicit options below win over them

@@ -88,6 +88,8 @@ class ServingOptions:
     backend: str = "ray"
     server_args: str = ""
     """More ``pagedserve serve`` options for the servers this command starts."""
+    speculative_config: str | None = None
+    """The started servers' ``--speculative-config`` (JSON), None: no speculation."""
     slo: float = 0.1
     """Normalised-latency SLO (seconds per output token, mean over requests)."""
     seed: int = 0
@@ -235,6 +237,8 @@ def server_command(o: ServingOptions, policy: str, port: int) -> list[str]:
         "--max-model-len", str(o.max_model_len), "--num-gpu-blocks", str(o.num_gpu_blocks),
         "--backend", o.backend, "--model", "demo",  # the random demo checkpoint, by name
     ]
+    if o.speculative_config is not None:
+        cmd += ["--speculative-config", o.speculative_config]
     return cmd + shlex.split(o.server_args)
 
 

@@ -6,6 +6,8 @@
 * ``outputs``: the delta contract and the accumulator of cumulative outputs;
 * ``loop``: ``EngineLoop``, the one engine loop; ``client``: ``EngineClient`` and the
   in-process client;
+* ``drafts``: speculative decoding's proposers (prompt lookup, suffix trees) and the drafter
+  that gives running requests their drafts before each step;
 * ``executor``: the ``Executor`` protocol and ``LocalExecutor``; ``restarts``: the rebuild
   policy; ``errors``: typed errors; ``tokenizer``: tokenizer I/O and incremental detokenization.
 """

@@ -13,6 +13,7 @@ from collections.abc import Collection
 
 from pagedserve.config import EngineConfig
 from pagedserve.controller.admission import check_admission
+from pagedserve.controller.drafts.drafter import Drafter, make_proposer
 from pagedserve.controller.engine_stats import engine_stats
 from pagedserve.controller.errors import (
     DuplicateRequestError,
@@ -22,8 +23,9 @@ from pagedserve.controller.errors import (
 from pagedserve.controller.executor import Executor, WorkerGroupError
 from pagedserve.controller.kv_plan import plan_kv_cache, resolve_max_model_len
 from pagedserve.controller.outputs import RequestGroup, failed_delta
+from pagedserve.controller.recovery import count_failure, drop_over_limit, live_heads, resume
 from pagedserve.controller.rejected import void_rejected
-from pagedserve.controller.request import RequestStatus, request_group, sequence_ids
+from pagedserve.controller.request import Request, RequestStatus, request_group, sequence_ids
 from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.controller.scheduler import Scheduler, StepHook
 from pagedserve.controller.structured_output import GrammarGate, grammar_text
@@ -40,9 +42,10 @@ class EngineCore:
     """Owns the scheduler and KV manager; drives one executor.
 
     Construction talks to the workers: load the model, plan the KV pool from their report, and
-    ask them to allocate it. ``eos_token_ids`` overrides the tokenizer's. Worker-group failures
-    fail the in-flight requests and rebuild the group after ``restarts``' backoff; once it gives
-    up the engine is dead (``healthy`` False, ``step`` raises ``EngineDeadError``).
+    ask them to allocate it. ``eos_token_ids`` overrides the tokenizer's. A worker-group failure
+    preempts the in-flight requests by recompute and rebuilds the group after ``restarts``'
+    backoff, after which they carry on; once the policy gives up the engine is dead (its
+    requests fail, ``healthy`` is False, a later ``step`` raises ``EngineDeadError``).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class EngineCore:
         self.num_restarts = 0
         self._restart_at: float | None = None  # set while the group awaits its rebuild
         self._dead: str | None = None
+        self._group_failure = ""  # the last worker-group failure, for a failed rebuild's reason
         report = executor.initialize()
         self.worker_report = report
         self.vocab_size = report.vocab_size
@@ -85,6 +89,11 @@ class EngineCore:
         self._kv_integrity_ok = 1
         self._kv_checks = 0
         self._grammars: GrammarGate | None = None  # made by the first constrained request
+        spec = config.speculative
+        self.drafter = None if spec.method is None else Drafter(
+            make_proposer(spec), spec.num_speculative_tokens, spec.disable_by_batch_size,
+            self.max_model_len,
+        )
 
     def _new_scheduler(self, step_hooks: list[StepHook]) -> Scheduler:
         sched = self.config.scheduler
@@ -153,9 +162,12 @@ class EngineCore:
         """Schedule, execute and update once. Returns a delta for every request that got a
         token or finished this step.
 
-        When the worker group fails, every in-flight request ends with an ``error`` delta
-        naming the rank and node, and the group is rebuilt (by a later call, after the
-        backoff). Raises ``EngineDeadError`` once the restart policy gives up.
+        When the worker group fails, the requests in flight go back to the waiting queue
+        (no delta) and the group is rebuilt by a later call, after the backoff. A request
+        that ran through more than ``max_failures_per_request`` failures ends with an
+        ``error`` delta (``RequestFailedError``) naming the rank and node; once the restart
+        policy gives up every request does (``EngineDeadError``), and later calls raise
+        ``EngineDeadError``.
         """
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -164,12 +176,15 @@ class EngineCore:
             if failure is not None:
                 return self._on_worker_failure(failure)  # found by the monitor between steps
         elif not self._restart():
-            return []
+            # Still waiting for the group, or dead now: then every request ends here.
+            return self._fail_all(self._dead) if self._dead is not None else []
         deltas = self._admit_compiled() if self._grammars is not None else []
         if not self.scheduler.has_unfinished():
             return deltas
         t0 = time.perf_counter()
         preemptions = self.scheduler.num_preemptions
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         if self._grammars is not None:
             tm = time.perf_counter()
@@ -190,7 +205,11 @@ class EngineCore:
         if runner_out.request_errors:
             deltas += self._fail_rejected(sched_out, runner_out.request_errors)
         seen: set[str] = set()
-        for req in self.scheduler.update_from_output(sched_out, runner_out):
+        progressed = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.drafter is not None:
+            self.drafter.record(sched_out, runner_out)
+            self.drafter.release_finished(self.scheduler.requests)
+        for req in progressed:
             gid = req.group_id
             group = self._groups.get(gid)
             if group is None or gid in seen:
@@ -282,21 +301,58 @@ class EngineCore:
         return self._dead
 
     def _on_worker_failure(self, exc: WorkerGroupError) -> list[RequestDelta]:
-        """Fail every request, reset the scheduler and KV state, schedule the group's rebuild
-        (or declare the engine dead). Returns the failed requests' final deltas."""
+        """Preempt every live request by recompute into a fresh scheduler and KV manager and
+        schedule the group's rebuild (``controller.recovery``): the streams stay open and emit
+        nothing now. Returns the final deltas of the requests that fail instead: those run
+        through more than ``max_failures_per_request`` failures, or all of them once the
+        restart policy gives up (the engine is dead)."""
         self.last_failure = exc
-        reason = str(exc)
+        self._group_failure = reason = str(exc)
+        self._schedule_restart(reason)
+        if self._dead is not None:
+            return self._fail_all(self._dead)
+        old = self.scheduler
+        heads = live_heads(old)
+        count_failure(old)
+        deltas = self._fail_repeated(heads, reason)
+        # The workers' rows and KV blocks (both tiers) are gone with them: nothing may refer
+        # to a block of the dead group, so the requests start over in a fresh manager.
+        self.kv = self.kv_plan.new_manager()
+        self.scheduler = self._new_scheduler(old.step_hooks)
+        resume([h for h in heads if not h.is_finished], self.scheduler)
+        return deltas
+
+    def _fail_repeated(self, heads: list[Request], reason: str) -> list[RequestDelta]:
+        """Fail the groups of the requests that have now run through more failures than the
+        policy allows (one that kills its workers whenever it runs would otherwise spend the
+        whole restart budget)."""
+        limit = self.restarts.max_failures_per_request
+        deltas = []
+        for gid, n in drop_over_limit(heads, limit).items():
+            group = self._groups.pop(gid, None)
+            if group is None:
+                continue
+            logger.error("request %s failed: it ran through %d worker-group failures", gid, n)
+            deltas.append(failed_delta(
+                gid, [s.index for s in group.seqs if not s.emitted_final],
+                f"{reason}; the request ran through {n} worker-group failures "
+                f"(max_failures_per_request={limit})", RequestFailedError.__name__,
+            ))
+        return deltas
+
+    def _fail_all(self, reason: str) -> list[RequestDelta]:
+        """The engine is dead: end every request (held grammars included) with an
+        ``EngineDeadError`` delta and release every block of both tiers."""
         deltas = [
-            failed_delta(g.request_id, [s.index for s in g.seqs if not s.is_finished], reason)
+            failed_delta(g.request_id, [s.index for s in g.seqs if not s.emitted_final],
+                         reason, EngineDeadError.__name__)
             for g in self._groups.values()
         ]
         self._groups.clear()
         if self._grammars is not None:
             self._grammars.clear()
-        # The workers' batch state and KV contents are gone with them: start from nothing.
         self.kv = self.kv_plan.new_manager()
         self.scheduler = self._new_scheduler(self.scheduler.step_hooks)
-        self._schedule_restart(reason)
         return deltas
 
     def _schedule_restart(self, reason: str) -> None:
@@ -326,9 +382,7 @@ class EngineCore:
                 raise RuntimeError(f"rebuilt workers report vocab {report.vocab_size}")
         except Exception as exc:
             self.last_failure = exc
-            self._schedule_restart(f"restart failed: {exc}")
-            if self._dead is not None:
-                raise EngineDeadError(self._dead) from exc
+            self._schedule_restart(f"restart failed: {exc} (after {self._group_failure})")
             return False
         self._restart_at = None
         self.num_restarts += 1
@@ -364,9 +418,12 @@ class EngineCore:
             "time_schedule_s": self._time_schedule, "time_execute_s": self._time_execute,
             "time_grammar_mask_s": self._time_grammar_mask,
             "num_grammar_mask_steps": self._num_grammar_mask_steps,
+            # Each one a worker-group failure that the in-flight requests were carried over.
+            "num_worker_restarts": self.num_restarts,
             # As of the last idle check.
             "kv_integrity_ok": self._kv_integrity_ok, "kv_integrity_checks": self._kv_checks,
             **self._kv_pool_bytes(),
+            **(self.drafter.stats() if self.drafter is not None else {}),
         })
 
     def _kv_pool_bytes(self) -> dict[str, int | float]:

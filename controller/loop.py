@@ -157,6 +157,11 @@ class EngineLoop:
                 deltas = self.engine.step()
                 self._stats = dict(self.engine.stats())  # before the outputs that it explains
                 self._route(deltas)
+                if not self.engine.healthy:
+                    # Restarts are exhausted and the step ended its requests: refuse new ones
+                    # and tell every client now, not at the next add.
+                    reason = f"engine failed: {self.engine.dead_reason}"
+                    break
         except Exception as exc:  # the engine is unusable: fail everything, loudly, once
             logger.exception("engine loop died")
             reason = f"engine failed: {exc!r}"

@@ -103,6 +103,8 @@ class Request:
         self.num_host_cached_tokens = 0
         """Of that hit, the tokens found in the host tier."""
         self.num_preemptions = 0
+        self.num_failures = 0
+        """Worker-group failures this sequence was running through (``controller.recovery``)."""
         self.stop_reason: int | str | None = None
         self.detokenizer = detokenizer
         self.group_id = request_id if group_id is None else group_id

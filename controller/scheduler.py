@@ -102,6 +102,9 @@ class Scheduler:
         # Requests the workers hold and must drop at the next step (finished, aborted, forked
         # parents, preempted).
         self._finished_ids: list[str] = []
+        # Block-table lengths the workers must cut rows to at the next step (blocks that only
+        # rejected drafts filled, given back).
+        self._trims: dict[str, int] = {}
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -138,6 +141,7 @@ class Scheduler:
             self.waiting.remove(req)
         if self.kv.has_request(req.request_id):
             self.kv.free(req)
+        self._trims.pop(req.request_id, None)
         if req.num_sent_tokens:
             self._finished_ids.append(req.request_id)
             req.num_sent_tokens = 0
@@ -206,6 +210,7 @@ class Scheduler:
         )
         if output.total_num_scheduled_tokens:
             self._finished_ids = []
+            output.block_table_trims, self._trims = self._trims, {}
         for req in scheduled:
             req.num_computed_tokens += num_scheduled[req.request_id]
         if total := output.total_num_scheduled_tokens:
@@ -296,6 +301,8 @@ class Scheduler:
         start over. The caller has taken it out of the running list."""
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        req.draft_token_ids = []
+        self._trims.pop(req.request_id, None)
         # Swapping needs a next token to resume with; one with nothing left starts over.
         swap = not recompute and self.preemption_mode == "swap"
         swap = swap and req.compute_limit > req.num_computed_tokens
@@ -361,6 +368,11 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
+            if req.draft_token_ids and req.status == RequestStatus.RUNNING:
+                # Blocks only rejected drafts filled go back to the pool.
+                keep = self.kv.trim(req)
+                if keep is not None:
+                    self._trims[rid] = keep
             req.draft_token_ids = []  # verified, or not reached: a drafter proposes anew
             ready = req.num_computed_tokens >= req.compute_limit
             if req.children and req.status == RequestStatus.RUNNING and ready:

@@ -135,6 +135,15 @@ class SingleTypeManager:
             )
             self.num_cached_blocks[request_id] = num_full
 
+    def trim(self, request_id: str, num_blocks: int) -> None:
+        """Release the request's blocks past its first ``num_blocks``, tail-first. They hold
+        no accepted token (slots of rejected drafts), so none is in the prefix cache."""
+        blocks = self.req_to_blocks[request_id]
+        tail = blocks[num_blocks:]
+        del blocks[num_blocks:]
+        tail.reverse()
+        self.pool.free_blocks(tail)
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks tail-first: its longest prefix is evicted first."""
         blocks = self.req_to_blocks.pop(request_id)

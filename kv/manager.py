@@ -322,6 +322,22 @@ class KVCacheManager:
         if len(self._freed_ids) > _FREED_MEMORY:
             del self._freed_ids[next(iter(self._freed_ids))]
 
+    def trim(self, request: KVRequest) -> int | None:
+        """Give back the blocks past the request's tokens, which only rejected drafts' slots
+        filled (lookahead slots). Returns how many blocks per group it keeps, or None when it
+        had nothing to give back (the workers' tables need telling only in the first case)."""
+        rid = request.request_id
+        # ``reserve`` holds max_model_len's blocks from admission by design.
+        if self.policy == "reserve" or rid not in self.managers[0].req_to_blocks:
+            return None
+        keep = -(-request.num_tokens // self.block_size)
+        if len(self.managers[0].req_to_blocks[rid]) <= keep:
+            return None
+        for m in self.managers:
+            m.trim(rid, keep)
+        self._num_filled[rid] = min(self._num_filled.get(rid, 0), request.num_computed_tokens)
+        return keep
+
     def swap_out(self, request: KVRequest) -> bool:
         """Preempt by swapping: the request's computed blocks are copied to the host tier (see
         :meth:`take_tier_copies`) and its device blocks freed. False, with nothing changed,

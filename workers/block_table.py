@@ -62,6 +62,13 @@ class BlockTable:
         self.np[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
 
+    def truncate_row(self, row: int, num_blocks: int) -> None:
+        """Keep the row's first ``num_blocks`` blocks (the controller freed the rest)."""
+        n = self.num_blocks[row]
+        if num_blocks < n:
+            self.np[row, num_blocks:n] = 0
+            self.num_blocks[row] = num_blocks
+
     def move_row(self, src: int, dst: int) -> None:
         n = self.num_blocks[src]
         self.np[dst, :n] = self.np[src, :n]
@@ -110,6 +117,10 @@ class MultiGroupBlockTable:
     def add_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
         for table, ids in zip(self.tables, block_ids, strict=True):
             table.add_row(ids, row)
+
+    def truncate_row(self, row: int, num_blocks: int) -> None:
+        for table in self.tables:
+            table.truncate_row(row, num_blocks)
 
     def clear_row(self, row: int) -> None:
         for table in self.tables:

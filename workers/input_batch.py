@@ -15,7 +15,6 @@ import torch
 
 from pagedserve.messages import NewRequestData, SamplingParams
 from pagedserve.workers.block_table import MultiGroupBlockTable
-from pagedserve.workers.sampler import exponential_noise
 
 # Per-row float/int columns copied from SamplingParams (name -> numpy dtype).
 _PARAM_COLUMNS = {
@@ -50,7 +49,6 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
-        self.generators: list[torch.Generator | None] = [None] * max_num_reqs
         self.columns = {k: np.zeros(max_num_reqs, dtype=t) for k, t in _PARAM_COLUMNS.items()}
 
     @property
@@ -66,8 +64,8 @@ class InputBatch:
 
     def add_request(self, req: NewRequestData) -> int:
         """Give the request a row. Raises, before any change, for tokens outside the
-        vocabulary or past ``max_model_len``; a parameter its column cannot hold raises midway
-        (the caller removes the row again)."""
+        vocabulary or past ``max_model_len`` and for a seed past 64 bits; a parameter its
+        column cannot hold raises midway (the caller removes the row again)."""
         tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
         if len(tokens) > self.max_model_len:
             raise ValueError(f"request {req.req_id}: {len(tokens)} tokens > max_model_len")
@@ -80,6 +78,10 @@ class InputBatch:
             raise ValueError(
                 f"request {req.req_id}: a token id outside the vocabulary [0, {self.vocab_size})"
             )
+        seed = req.sampling_params.seed
+        if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
+            # Its noise seeds (``sampler.noise_seed``) would wrap onto another seed's.
+            raise ValueError(f"request {req.req_id}: seed {seed} is outside [0, 2**64)")
         if req.req_id in self.index_of:
             self.remove_request(req.req_id)
         row = self._free_row()
@@ -93,20 +95,8 @@ class InputBatch:
         self.params[row] = sp
         for name, col in self.columns.items():
             col[row] = getattr(sp, name)
-        self.generators[row] = self._make_generator(sp, len(req.output_token_ids))
         self.block_table.add_row(req.block_ids, row)
         return row
-
-    def _make_generator(self, sp: SamplingParams, num_outputs: int) -> torch.Generator | None:
-        if sp.seed is None or sp.greedy:
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(sp.seed)
-        # A request resumed after preemption continues its stream where it left off: replay
-        # the one noise row per output token it had already sampled.
-        for _ in range(num_outputs):
-            exponential_noise(gen, self.vocab_size, self.device)
-        return gen
 
     def append_tokens(self, req_id: str, token_ids: Sequence[int]) -> None:
         row = self.index_of[req_id]
@@ -131,7 +121,6 @@ class InputBatch:
             return None
         self.req_ids[row] = None
         self.params[row] = None
-        self.generators[row] = None
         self.num_tokens[row] = 0
         self.block_table.clear_row(row)
         return row
@@ -153,7 +142,7 @@ class InputBatch:
             arr[dst] = arr[src]
         for col in self.columns.values():
             col[dst] = col[src]
-        for lst in (self.req_ids, self.params, self.generators):
+        for lst in (self.req_ids, self.params):
             lst[dst] = lst[src]
             lst[src] = None
         self.num_tokens[src] = 0

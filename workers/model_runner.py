@@ -24,7 +24,13 @@ from pagedserve.messages import ModelRunnerOutput, SamplingParams, SchedulerOutp
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
-from pagedserve.workers.sampler import Sampler, SamplerOutput, SamplingMetadata, unpack_bitmask
+from pagedserve.workers.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    noise_seed,
+    unpack_bitmask,
+)
 
 PROMPT_LOGITS_BYTES = 1 << 28
 """At most this many bytes of float32 logits at once when scoring a chunk's prompt tokens."""
@@ -58,6 +64,9 @@ class ModelRunner:
         batch = self.batch
         for rid in so.finished_req_ids:
             batch.remove_request(rid)
+        for rid, num_blocks in so.block_table_trims.items():
+            if (row := batch.index_of.get(rid)) is not None:
+                batch.block_table.truncate_row(row, num_blocks)
         cached = so.cached_reqs
         for i, rid in enumerate(cached.req_ids):
             row = batch.index_of.get(rid)
@@ -243,12 +252,19 @@ class ModelRunner:
         b = self.batch
         col = {k: torch.from_numpy(v[rows]).to(self.device) for k, v in b.columns.items()}
         params = [b.params[r] for r in rows]
+        ends = b.num_tokens[rows] + offsets  # [M] tokens before each sampled one
+        # A seeded sample's noise follows from its seed and the index of the output token it
+        # produces, never from what the row sampled before (see ``noise_seed``).
+        outputs = (ends - b.num_prompt_tokens[rows]).tolist()  # [M]
         md = SamplingMetadata(
             temperature=col["temperature"],
             top_k=col["top_k"],
             top_p=col["top_p"],
             min_p=col["min_p"],
-            generators=[b.generators[r] for r in rows],
+            noise_seeds=[
+                None if p is None or p.seed is None or p.greedy else noise_seed(p.seed, j)
+                for p, j in zip(params, outputs, strict=True)
+            ],
             num_logprobs=[p.logprobs if p is not None else None for p in params],
         )
         uses_penalties = (
@@ -256,7 +272,6 @@ class ModelRunner:
             | (col["presence_penalty"] != 0.0)
             | (col["frequency_penalty"] != 0.0)
         )
-        ends = b.num_tokens[rows] + offsets  # [M] tokens before each sampled one
         md.banned = self._banned_stop_tokens(rows, ends)
         md.allowed, md.bias = self._token_choices(params)
         if bool(uses_penalties.any()):

@@ -4,9 +4,12 @@ Order per row: raw log-probabilities (the reported logprobs) -> the structured-o
 ``allowed_token_ids`` mask -> ``logit_bias`` -> stop tokens masked while a request has fewer
 than ``min_tokens`` outputs (unless that leaves the grammar nothing) -> repetition / presence /
 frequency penalties -> greedy argmax, or temperature -> min-p -> top-k -> top-p -> sample.
-Sampling is an exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token), so a seeded
-request's draw depends only on its own generator, which gives it one noise row per sample
-whatever else shares the batch.
+Sampling is an exponential race (``argmax(p / E)`` with ``E ~ Exp(1)`` per token). A seeded
+request's noise row for the sample that produces its output token ``j`` comes from a generator
+seeded with ``noise_seed(seed, j)``: a function of the request and the position alone, so the
+draw is the same whatever shares the batch, however many positions a step samples (drafts) and
+however often the position is sampled again (a preempted or failed-over request recomputing).
+Unseeded rows share one generator and one batched draw.
 """
 
 from __future__ import annotations
@@ -14,6 +17,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's sample of output token ``index`` (0-based).
+    splitmix64's finaliser over ``seed`` advanced ``index + 1`` golden-ratio steps: nearby
+    ``(seed, index)`` pairs get unrelated streams, and ``index`` never collides within a seed."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def exponential_noise(
@@ -31,7 +46,7 @@ class SamplingMetadata:
     top_k: torch.Tensor  # [N] int64; <= 0 = off
     top_p: torch.Tensor  # [N] float32
     min_p: torch.Tensor  # [N] float32
-    generators: list[torch.Generator | None]  # [N]; None: the worker's shared generator
+    noise_seeds: list[int | None]  # [N] ``noise_seed`` of a seeded sample; None: shared noise
     num_logprobs: list[int | None]  # [N]
     repetition_penalty: torch.Tensor | None = None  # [N]; None when no row uses penalties
     presence_penalty: torch.Tensor | None = None  # [N]
@@ -116,6 +131,8 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # Re-seeded for each seeded sample: its noise is a function of (seed, position) only.
+        self._seeded = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [N, V] float32
@@ -151,9 +168,10 @@ class Sampler:
         temp = torch.where(md.temperature == 0, 1.0, md.temperature).unsqueeze(1)
         probs = restrict_support(logits / temp, md).softmax(-1)
         noise = torch.empty_like(probs)
-        seeded = [i for i, g in enumerate(md.generators) if g is not None]
+        seeded = [(i, s) for i, s in enumerate(md.noise_seeds) if s is not None]
         if len(seeded) < n:
             noise.exponential_(generator=self.generator)
-        for i in seeded:
-            noise[i] = exponential_noise(md.generators[i], v, logits.device)
+        for i, s in seeded:
+            self._seeded.manual_seed(s)
+            noise[i] = exponential_noise(self._seeded, v, logits.device)
         return (probs / noise).argmax(-1)

@@ -33,7 +33,8 @@ _PARAMS = (
 
 
 def warm_up(runner: ModelRunner, num_groups: int, block_size: int, max_model_len: int) -> None:
-    """One prefill step and one decode step of two throwaway requests, then drop them."""
+    """One prefill step and one decode step of two throwaway requests (one after the other
+    when the batch holds one row), then drop them."""
     prompt_len = max(1, min(WARMUP_PROMPT_TOKENS, max_model_len - 1))
     num_blocks = -(-(prompt_len + 1) // block_size)
     ids = [f"__warmup_{i}__" for i in range(len(_PARAMS))]
@@ -42,6 +43,17 @@ def warm_up(runner: ModelRunner, num_groups: int, block_size: int, max_model_len
         for rid, params in zip(ids, _PARAMS, strict=True)
     ]
     rng_state = runner.sampler.generator.get_state()
+    seats = runner.batch.max_num_reqs
+    for first in range(0, len(new), seats):
+        _steps(runner, new[first : first + seats], prompt_len)
+    runner.sampler.generator.set_state(rng_state)
+    with torch.inference_mode():
+        for tensor in runner.kv_pool.tensors:  # [num_blocks, 2, B, H_kv, D]
+            tensor[0].zero_()
+
+
+def _steps(runner: ModelRunner, new: list[NewRequestData], prompt_len: int) -> None:
+    ids = [r.req_id for r in new]
     step = _FIRST_STEP_ID
     out = runner.execute(SchedulerOutput(
         step, new_reqs=new, num_scheduled_tokens=dict.fromkeys(ids, prompt_len),
@@ -57,7 +69,3 @@ def warm_up(runner: ModelRunner, num_groups: int, block_size: int, max_model_len
         total_num_scheduled_tokens=len(ids),
     ))
     runner.execute(SchedulerOutput(step + 2, finished_req_ids=ids))
-    runner.sampler.generator.set_state(rng_state)
-    with torch.inference_mode():
-        for tensor in runner.kv_pool.tensors:  # [num_blocks, 2, B, H_kv, D]
-            tensor[0].zero_()

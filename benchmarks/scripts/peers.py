@@ -7,6 +7,8 @@ warm-up, so start-up and model loading are left out):
   pagedserve-local  the engine in the benchmark's process (``backend="local"``)
   pagedserve-int8   ``LLM()`` with ``quantization="int8"`` (whatever ``--quantization`` says):
                     int8 weights and activations beside the engine at ``--dtype``
+  pagedserve-spec   ``LLM()`` with ``--speculative-config`` (default: prompt lookup), to set
+                    speculative decoding beside the same engine without it
   hf-static         Hugging Face ``generate`` on static batches (left padding, batch = the
                     ``--hf-batch-size`` requests in arrival order, each batch runs until its
                     longest request is done; only each request's own tokens count)
@@ -55,8 +57,8 @@ from pagedserve.benchmarks.report import emit_table
 from pagedserve.config import cache_root
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-int8", "hf-static", "hf-cb", "vllm",
-           "vllm-default", "base", "base-local")
+ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-int8", "pagedserve-spec", "hf-static",
+           "hf-cb", "vllm", "vllm-default", "base", "base-local")
 VLLM_ENGINES = ("vllm", "vllm-default")
 REFERENCE = "hf-static"
 
@@ -108,10 +110,11 @@ def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int],
 # -- one engine, in its own process -------------------------------------------------------------
 
 def run_pagedserve(model: str, work: dict, backend: str | None, dtype: str,
-                   quantization: str) -> list[list[int]]:
+                   quantization: str, speculative_config: dict | None = None) -> list[list[int]]:
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(model, backend=backend, dtype=dtype, quantization=quantization)
+    llm = LLM(model, backend=backend, dtype=dtype, quantization=quantization,
+              speculative_config=speculative_config)
     try:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                   for m in work["max_tokens"]]
@@ -203,6 +206,9 @@ def run_one(args: argparse.Namespace) -> None:
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization)
     elif args.run_one == "pagedserve-int8":
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, "int8")
+    elif args.run_one == "pagedserve-spec":
+        outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization,
+                              json.loads(args.speculative_config))
     elif args.run_one in ("pagedserve-local", "base-local"):
         outs = run_pagedserve(args.model_dir, work, "local", args.dtype, args.quantization)
     elif args.run_one == "hf-static":
@@ -230,7 +236,8 @@ def launch(engine: str, args: argparse.Namespace, mdir: Path, wfile: Path, tmp: 
     else:
         py = Path(args.baseline_venv) / "bin" / "python" if engine.startswith("base") else None
         cmd = [str(py or sys.executable), str(Path(__file__).resolve()), "--run-one", engine,
-               "--hf-batch-size", str(args.hf_batch_size), "--quantization", args.quantization]
+               "--hf-batch-size", str(args.hf_batch_size), "--quantization", args.quantization,
+               "--speculative-config", args.speculative_config]
     cmd += ["--model-dir", str(mdir), "--workload", str(wfile), "--result", str(result),
             "--dtype", args.dtype]
     # A working directory outside the repository: its top-level folders shadow other modules.
@@ -344,6 +351,8 @@ def main() -> None:
                          "checkpoint's quantized blocks")
     ap.add_argument("--baseline-venv", default=None,
                     help="adds base and base-local: pagedserve as installed in that venv")
+    ap.add_argument("--speculative-config", default='{"method": "ngram"}', metavar="JSON",
+                    help="the pagedserve-spec engine's speculative_config")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, nargs=2, default=(16, 256))
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256))

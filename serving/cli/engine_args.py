@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from pagedserve.builder import BACKENDS
@@ -59,6 +60,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
                           "lowest-priority request first")
     eng.add_argument("--no-kv-offload", action="store_true",
                      help="with a host tier, do not keep evicted prefix blocks there")
+    eng.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                     help='speculative decoding, as vLLM spells it: e.g. \'{"method": "ngram", '
+                          '"num_speculative_tokens": 5}\' or {"method": "suffix"}')
     eng.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     eng.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
     eng.add_argument("--dp", type=int, default=1, help="data-parallel replicas (behind a router)")
@@ -95,7 +99,18 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "decode_context_parallel_size": args.dcp,
         "data_parallel_size": args.dp,
         "ray_address": args.address,
+        "speculative_config": args.speculative_config,
     }
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _gib_to_bytes(gib: float) -> int:

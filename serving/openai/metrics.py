@@ -76,10 +76,18 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("kv_host_blocks_to_device", "kv_host_blocks_copied_to_device",
      "Host -> device block copies (swap-ins and host prefix hits).", "counter"),
     ("num_steps", "engine_steps", "Engine steps run.", "counter"),
+    ("num_worker_restarts", "worker_group_restarts",
+     "Worker groups rebuilt after a failure (their requests resumed).", "counter"),
     ("time_grammar_mask_s", "grammar_mask_seconds",
      "Time the controller spent computing structured-output token masks.", "counter"),
     ("num_grammar_mask_steps", "grammar_mask_steps",
      "Engine steps that computed structured-output token masks.", "counter"),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Request-steps that verified speculative drafts.", "counter"),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+     "Draft tokens proposed and verified.", "counter"),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Draft tokens accepted.", "counter"),
     ("kv_integrity_ok", "kv_cache_integrity_ok",
      "1 if the KV manager's invariants held (and every block was free) at the last idle check.",
      "gauge"),
@@ -116,6 +124,17 @@ class _EngineCollector(Collector):
             else:
                 family = GaugeMetricFamily(PREFIX + name, doc)
             family.add_metric([], float(value))
+            yield family
+        per_pos = [(key.rsplit("_", 1)[1], value) for key, value in stats.items()
+                   if key.startswith("spec_decode_num_accepted_tokens_pos_")]
+        if per_pos:
+            family = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in their run (0: the first draft).",
+                labels=["position"],
+            )
+            for position, value in per_pos:
+                family.add_metric([position], float(value))
             yield family
         counts = stats.get("batched_tokens_counts")
         if counts and len(counts) == len(BATCHED_TOKENS_BUCKETS) + 1:

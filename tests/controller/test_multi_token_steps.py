@@ -123,3 +123,30 @@ def test_budget_schedules_only_the_drafts_it_reaches() -> None:
     sched.update_from_output(so, ModelRunnerOutput(so.step_id, ["a"], [[31, 32, 35]]))
     assert req.output_token_ids == [30, 31, 32, 35]
     assert req.num_computed_tokens == req.num_tokens - 1 and req.draft_token_ids == []
+
+
+def test_blocks_only_rejected_drafts_filled_go_back_to_the_pool() -> None:
+    sched = _scheduler()
+    req = _prefilled(sched, SamplingParams(max_tokens=20))
+    free = sched.kv.num_free_blocks
+    # 8 tokens in 2 blocks; the last token and 6 drafts reach position 13: two more blocks.
+    so = _verify(sched, req, [31, 32, 33, 34, 35, 36], [40])
+    assert req.num_tokens == 9 and len(sched.kv.get_block_ids("a")[0]) == 3
+    assert sched.kv.num_free_blocks == free - 1  # the fourth block went back
+    # The workers hear of it with the next step that runs, before its new blocks.
+    so = sched.schedule()
+    assert so.block_table_trims == {"a": 3}
+    sched.update_from_output(so, ModelRunnerOutput(so.step_id, ["a"], [[41]]))
+    assert sched.schedule().block_table_trims == {}
+    sched.kv.check_integrity()
+
+
+def test_trims_of_a_preempted_request_are_not_sent() -> None:
+    sched = _scheduler()
+    req = _prefilled(sched, SamplingParams(max_tokens=20))
+    _verify(sched, req, [31, 32, 33, 34, 35, 36], [40])
+    sched.running.remove(req)
+    sched.preempt(req)
+    assert req.draft_token_ids == []
+    so = sched.schedule()  # it comes back in full, with its trimmed blocks only
+    assert so.block_table_trims == {} and [r.req_id for r in so.new_reqs] == ["a"]

@@ -1,6 +1,7 @@
 """The in-process and the Ray backends run the same engine loop: one scripted sequence (adds, a
-refusal, an abort, preemptions, ``n > 1``, a worker failure and the recovery after it) gives
-the same deltas and the same errors through both."""
+refusal, an abort, preemptions, ``n > 1``, a worker failure in the middle of decoding and the
+recovery after it) gives the same deltas and the same errors through both. The failure costs
+no request: they resume on the rebuilt group with the tokens of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ from pagedserve.messages import AddRequest, RequestDelta, SamplingParams
 CONFIG = from_flat(block_size=4, num_gpu_blocks=24, max_model_len=96, max_num_seqs=4,
                    max_num_batched_tokens=32)
 LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+SIDE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _greedy(last: int, n: int) -> list[int]:
+    """The scripted model's tokens after ``last``: what an uninterrupted run gives."""
+    out = []
+    for _ in range(n):
+        last = scripted.next_token(last)
+        out.append(last)
+    return out
 
 
 def _script(client: Any) -> tuple[dict[str, list[tuple]], list[str], dict[str, Any]]:
@@ -61,9 +72,15 @@ def _script(client: Any) -> tuple[dict[str, list[tuple]], list[str], dict[str, A
         errors.append(f"{type(exc).__name__}: {exc}")
     wait({r.request_id for r in phase1})
     stats = client.stats()  # the failure below resets the scheduler's counters
-    # Phase 2: the worker group fails under a request; the engine rebuilds it.
-    client.add_request(AddRequest("victim", [1, 2, 3, 4], LONG), sink)
-    wait({"victim"})
+    # Phase 2: the worker group fails while three requests decode (when "victim" is about to
+    # sample its fourth token); the engine rebuilds it and they carry on.
+    phase2 = [AddRequest("victim", [1, 2, 3, 4], LONG)]
+    phase2 += [AddRequest(f"side{i}", [20 + i] * 3, SIDE) for i in range(2)]
+    futs = [client.submit(r, sink) for r in phase2]
+    for f in futs:
+        client.wait_added(f)
+    wait({r.request_id for r in phase2})
+    stats["num_worker_restarts"] = client.stats()["num_worker_restarts"]
     # Phase 3: served again after the recovery.
     client.add_request(AddRequest("after", [9, 9], SamplingParams(max_tokens=5,
                                                                  ignore_eos=True)), sink)
@@ -74,16 +91,16 @@ def _script(client: Any) -> tuple[dict[str, list[tuple]], list[str], dict[str, A
 def _check(deltas: dict[str, list[tuple]], errors: list[str], stats: dict[str, Any]) -> None:
     assert errors and errors[0].startswith("PromptTooLongError")
     assert deltas["queued"] == [(True, False, [(0, (), "abort")])]
-    assert deltas["victim"][-1][1] and deltas["victim"][-1][2][0][2] == "error"
+    assert stats["num_worker_restarts"] == 1  # the failure happened, and cost nothing:
+    assert not [rid for rid, ds in deltas.items() for d in ds if d[1]]  # no error delta
+    for rid, last, n in (("victim", 4, 30), ("side0", 20, 12), ("side1", 21, 12)):
+        assert [t for d in deltas[rid] for c in d[2] for t in c[1]] == _greedy(last, n)
+        assert deltas[rid][-1][0] and deltas[rid][-1][2][-1][2] == "length"
     assert [c for d in deltas["after"] for c in d[2]][-1][2] == "length"
     assert len(deltas["pair"][-1][2]) >= 1 and stats["num_preemptions"] > 0
     for i in range(4):
         toks = [t for d in deltas[f"long{i}"] for c in d[2] for t in c[1]]
-        last, expect = 10 + i, []
-        for _ in range(30):
-            last = scripted.next_token(last)
-            expect.append(last)
-        assert toks == expect
+        assert toks == _greedy(10 + i, 30)
 
 
 def test_the_backends_give_the_same_deltas_and_errors(ray_local) -> None:
@@ -106,6 +123,7 @@ def test_the_backends_give_the_same_deltas_and_errors(ray_local) -> None:
     finally:
         ray.cloudpickle.unregister_pickle_by_value(scripted)
         ray.cloudpickle.unregister_pickle_by_value(fake_executor)
+    _check(*ray_run)
     assert ray_run[0] == local_run[0]
     assert ray_run[1] == local_run[1]
     assert ray_run[2]["num_preemptions"] > 0

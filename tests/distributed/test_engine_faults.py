@@ -1,5 +1,6 @@
 """``EngineCore``'s worker-group fault handling without Ray: an in-process fake executor that
-fails on demand stands in for a worker group whose rank died."""
+fails on demand stands in for a worker group whose rank died. The requests in flight resume on
+the rebuilt group; only past the restart cap do they fail."""
 
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ def config(tmp_path_factory) -> EngineConfig:
     )
 
 
+def _finish(engine: EngineCore, ids: set[str]) -> dict:
+    done = {}
+    for _ in range(100):
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+        if ids <= done.keys():
+            return done
+    raise AssertionError(f"requests did not finish: {ids - done.keys()}")
+
+
 def _run(engine: EngineCore, rid: str):
     engine.add_request(rid, PROMPT, GREEDY)
     for _ in range(100):
@@ -47,27 +57,28 @@ def _run(engine: EngineCore, rid: str):
     raise AssertionError("request did not finish")
 
 
-def test_failure_fails_requests_resets_state_and_recovers(config):
+def test_failure_resumes_requests_in_a_fresh_cache_and_recovers(config):
     ex = flaky()
     engine = drive(EngineCore(config, ex, eos_token_ids=(), restarts=RestartPolicy(backoff_s=0.01)))
     try:
         reference = _run(engine, "a").outputs[0].token_ids
         assert _run(engine, "b").num_cached_tokens > 0  # the prefix cache is warm
+        pair = SamplingParams(max_tokens=8, n=2, ignore_eos=True)
+        engine.add_request("p", [5, 6, 7], pair)
+        pair_ref = [c.token_ids for c in _finish(engine, {"p"})["p"].outputs]
         engine.add_request("c", PROMPT, GREEDY)
-        engine.add_request("d", [5, 6, 7], SamplingParams(max_tokens=8, n=2, ignore_eos=True))
+        engine.add_request("d", [5, 6, 7], pair)
         engine.step()
+        old_kv = engine.kv
         ex.fail = WorkerGroupError(1, "node-x", "the worker actor died")
-        failed = engine.step()
-        assert sorted(o.request_id for o in failed) == ["c", "d"]
-        for out in failed:
-            assert out.finished and out.error and "rank 1 on node node-x" in out.error
-            assert {c.finish_reason for c in out.outputs} == {"error"}
-        assert not engine.has_unfinished() and engine.kv.usage == 0.0
-        assert engine.stats()["kv_blocks_used"] == 0
-        # Rebuilt on the next step; the prefix cache was dropped with the workers' KV.
-        again = _run(engine, "e")
+        assert engine.step() == []  # no error: the requests wait for the rebuilt group
+        assert engine.kv is not old_kv and engine.kv.usage == 0.0
+        assert {r.request_id for r in engine.scheduler.waiting} == {"c", "d#0", "d#1"}
+        done = _finish(engine, {"c", "d"})
         assert ex.restarts == 1 and engine.num_restarts == 1 and engine.healthy
-        assert again.outputs[0].token_ids == reference and again.num_cached_tokens == 0
+        assert done["c"].error is None and done["c"].outputs[0].token_ids == reference
+        assert [c.token_ids for c in done["d"].outputs] == pair_ref
+        assert engine.stats()["kv_blocks_used"] == 0
     finally:
         engine.shutdown()
 
@@ -80,12 +91,14 @@ def test_restarts_back_off_exponentially_then_the_engine_dies(config):
         engine.add_request("a", PROMPT, GREEDY)
         ex.fail = WorkerGroupError(1, "node-x", "the worker actor died")
         failed_at = time.monotonic()
-        assert [o.request_id for o in engine.step()] == ["a"]
+        assert engine.step() == []  # "a" waits for the rebuild
         assert engine.step() == []  # restart 1 fails (after 0.1 s)
         assert engine.healthy
-        with pytest.raises(EngineDeadError, match="at most 2 restarts"):
-            engine.step()  # restart 2 fails (after 0.2 s more): 3 failures > 2
-        assert not engine.healthy
+        (out,) = engine.step()  # restart 2 fails (after 0.2 s more): 3 failures > 2
+        assert not engine.healthy and out.request_id == "a" and out.finished
+        assert out.error_code == EngineDeadError.__name__ and "at most 2 restarts" in out.error
+        assert "rank 1 on node node-x" in out.error
+        assert engine.stats()["kv_blocks_used"] == 0
         gaps = [ex.restart_times[0] - failed_at, ex.restart_times[1] - ex.restart_times[0]]
         assert gaps[0] >= 0.09 and gaps[1] >= 0.19, gaps
         with pytest.raises(EngineDeadError):
@@ -104,7 +117,7 @@ def test_a_policy_without_restarts_makes_the_engine_dead_at_the_first_failure(co
                               restarts=RestartPolicy(max_restarts=0)))
     engine.add_request("a", PROMPT, GREEDY)
     (out,) = engine.step()
-    assert out.error and "node-y" in out.error
+    assert out.error and "node-y" in out.error and out.error_code == EngineDeadError.__name__
     assert not engine.healthy
     with pytest.raises(EngineDeadError, match="at most 0 restarts"):
         engine.step()

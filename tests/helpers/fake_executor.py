@@ -155,6 +155,8 @@ class FakeExecutor:
                 [list(g) for g in nr.block_ids],
                 nr.sampling_params,
                 len(nr.prompt_token_ids),
+                # A resumed request (preempted, or carried over a failure) continues its script.
+                emitted=len(nr.output_token_ids),
             )
         c = so.cached_reqs
         for i, rid in enumerate(c.req_ids):

@@ -1,6 +1,8 @@
 """Random admit / decode / chunked prefill / free / fork / preempt / prefix-hit sequences,
 with and without a host tier (swap preemption, swap-in, evicted blocks kept on the host and
-hit there), and with lookahead slots (speculative decoding) on admissions and steps.
+hit there), and with lookahead slots (speculative decoding) on admissions and steps, and
+speculative verification (drafts scheduled, a random number accepted, the blocks only
+rejected drafts filled given back).
 
 Invariants are checked after every step, for both tiers; an ``allocate_slots`` or ``swap_in``
 that returns None must leave the manager bit-for-bit unchanged; an allocation leaves each
@@ -210,6 +212,43 @@ class KVMachine(RuleBasedStateMachine):
         n = min(r.num_tokens - r.num_computed_tokens, chunk)
         if self._try_alloc(r, n, lookahead=lookahead):
             r.num_computed_tokens += n
+
+    @precondition(lambda self: self.running)
+    @rule(
+        idx=st.integers(0, 100),
+        token=st.integers(0, 5),
+        drafts=st.lists(st.integers(0, 5), min_size=1, max_size=9),
+        accept=st.integers(0, 9),
+    )
+    def verify(self, idx: int, token: int, drafts: list[int], accept: int) -> None:
+        """A speculative step: a decoding request computes its last token and ``drafts``
+        after it, accepts the first ``accept`` of them plus one token of its own, and gives
+        back the blocks only rejected drafts filled."""
+        m = self.m
+        assert m is not None
+        r = self.running[idx % len(self.running)]
+        if r.request_id in self.touched:
+            self._ship()
+        if r.num_computed_tokens != r.num_tokens:
+            return  # still prefilling
+        if r.num_tokens + 1 + len(drafts) > MAX_LEN:
+            return self._finish(r)
+        r.append_token_id(token)
+        if not self._try_alloc(r, 1 + len(drafts)):
+            return
+        for t in drafts[: min(accept, len(drafts))]:
+            r.append_token_id(t)
+        r.append_token_id(token)  # the model's own sample after the accepted drafts
+        r.num_computed_tokens = r.num_tokens - 1
+        held = len(m.managers[0].req_to_blocks[r.request_id])
+        keep = m.trim(r)
+        need = -(-r.num_tokens // B)
+        for g in m.managers:
+            n = len(g.req_to_blocks[r.request_id])
+            if m.policy == "reserve":
+                assert keep is None and n == held
+            else:
+                assert n == min(held, need) and (keep is None) == (held <= need)
 
     @precondition(lambda self: self.running)
     @rule(idx=st.integers(0, 100))

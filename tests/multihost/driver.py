@@ -13,7 +13,8 @@ Commands (``op``):
   answer the rank table (``cluster.placement.rank_slots``) with each rank's node IP.
 - ``start_long``: start an ``LLM`` and requests long enough to be running when the test acts;
   answers once every request has produced a token. ``finish_long``: wait for those requests to
-  end and answer their errors; then ``generate`` again on the same engine (``again``).
+  end and answer their errors and tokens; then ``generate`` again on the same engine
+  (``again``).
 - ``quit``.
 """
 
@@ -69,6 +70,7 @@ class Driver:
         self.llm: LLM | None = None
         self.long_done: threading.Event = threading.Event()
         self.long_errors: dict[str, str | None] = {}
+        self.long_tokens: dict[str, list[int]] = {}
 
     def _llm(self, options: dict[str, Any]) -> LLM:
         base = {"model": self.checkpoint, "dtype": "float32", "block_size": 4,
@@ -106,10 +108,13 @@ class Driver:
         self.llm = llm = self._llm(options)
         started = {f"long-{i}": threading.Event() for i in range(len(prompts))}
         self.long_errors = {}
+        self.long_tokens = {rid: [] for rid in started}
         self.long_done = threading.Event()
         lock = threading.Lock()
 
         def sink(delta: RequestDelta) -> None:
+            for c in delta.completions:
+                self.long_tokens[delta.request_id] += c.token_ids
             if any(c.token_ids for c in delta.completions):
                 started[delta.request_id].set()
             if delta.finished or delta.error is not None:
@@ -132,9 +137,10 @@ class Driver:
         assert self.llm is not None
         llm, self.llm = self.llm, None
         try:
-            if not self.long_done.wait(120):
-                raise TimeoutError("the long requests neither finished nor failed in 120 s")
-            answer: dict[str, Any] = {"errors": dict(self.long_errors)}
+            if not self.long_done.wait(180):
+                raise TimeoutError("the long requests neither finished nor failed in 180 s")
+            answer: dict[str, Any] = {"errors": dict(self.long_errors),
+                                      "tokens": dict(self.long_tokens)}
             try:
                 answer["again"] = _greedy(llm, prompts, max_tokens)
                 answer["replicas"] = _replica_ranks(llm)

@@ -2,9 +2,10 @@
 README's worker block says), a tp = 2 group spreads over two of them, and every process of a
 worker host holding a rank is killed by pid while the group is generating.
 
-The requests in flight fail with a typed error that names the lost node; the engine rebuilds
-its worker group on the capacity that is left (two live hosts) and serves again, equal to
-Hugging Face. Runs last (conftest): the cluster has lost a host afterwards.
+The engine rebuilds its worker group on the capacity that is left (two live hosts) and the
+requests in flight resume on it: they complete, with no error, with the text of an uninterrupted
+run (equal to Hugging Face), and the engine serves again. Runs last (conftest): the cluster has
+lost a host afterwards.
 """
 
 from __future__ import annotations
@@ -46,16 +47,16 @@ def test_worker_node_killed_mid_request(driver, cluster, hf_model):
     lost = max((r for r in ranks if r["node_ip"] != head.ip), key=lambda r: r["rank"])
     victim = hosts[lost["node_ip"]]
     assert not started["finished_early"], "the requests ended before the node was killed"
-    lost_node = lost["node_id"]
 
     victim.kill_all()
     assert victim.pids() == []
 
     out = driver("finish_long", prompts=PROMPTS, max_tokens=MAX_NEW)
     errors = out["errors"]
-    assert len(errors) == len(PROMPTS) and all(e is not None for e in errors.values()), errors
-    for error in errors.values():
-        assert lost_node in error and victim.ip in error, error
+    assert len(errors) == len(PROMPTS) and all(e is None for e in errors.values()), errors
+    assert [out["tokens"][f"long-{i}"] for i in range(len(PROMPTS))] == [
+        hf_greedy(hf_model, p, LONG) for p in PROMPTS
+    ]
     assert "again_error" not in out, out
     assert out["again"] == [hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
     (after,) = out["replicas"]

@@ -54,7 +54,8 @@ def test_the_extractor() -> None:
 @pytest.fixture(scope="module")
 def exposed(llama_dir, srv, tmp_path_factory) -> Iterator[set[str]]:
     """Every sample name a live server exposes, after one request of each kind."""
-    client = srv.start_client(llama_dir)
+    # With speculation on, so that its series are exposed too.
+    client = srv.start_client(llama_dir, speculative_config={"method": "ngram"})
     app = build_app(client, batch_dir=tmp_path_factory.mktemp("dash") / "batches")
     try:
         with srv.running(app) as url, httpx.Client(base_url=url, timeout=60) as http:

@@ -33,6 +33,12 @@ def test_row_operations():
     assert t.commit(4)[3, :2].tolist() == [1, 2]
     with pytest.raises(ValueError):
         t.append_row(list(range(10)), 0)
+    # Blocks the controller gave back (rejected drafts' slots): cut, then appended after.
+    t.truncate_row(0, 1)
+    t.append_row([4], 0)
+    assert t.np[0].tolist() == [7, 4] + [0] * 6 and t.num_blocks[0] == 2
+    t.truncate_row(0, 5)  # never grows a row
+    assert t.num_blocks[0] == 2
 
 
 def test_slot_mapping_without_cp():

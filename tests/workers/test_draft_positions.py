@@ -92,3 +92,33 @@ def test_a_wrong_first_draft_keeps_one_token(worker_factory):
                        draft_token_ids={"a": [draft, 5]}))
     assert out.sampled_token_ids == [[expected_next]]
     assert len(out.logprobs[0]) == 1
+
+
+def test_seeded_draft_positions_sample_like_single_steps(worker_factory):
+    """A seeded row's noise is its position's: verifying drafts gives the tokens of stepping
+    one position at a time, and a rejected draft's sample does not shift the next step's."""
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    new = NewRequestData("s", PROMPT, [], seeded, [[1, 2, 3, 4, 5]], 0)
+
+    def step_by_step(w: Worker, steps: int) -> list[int]:
+        out = w.execute(SO(0, new_reqs=[new], num_scheduled_tokens={"s": 12}))
+        toks = list(out.sampled_token_ids[0])
+        for step in range(1, steps + 1):
+            cached = CachedRequestData(["s"], [[toks[-1]]], [None], [len(PROMPT) + step - 1])
+            out = w.execute(SO(step, cached_reqs=cached, num_scheduled_tokens={"s": 1}))
+            toks += out.sampled_token_ids[0]
+        return toks
+
+    ref = step_by_step(worker_factory(), 5)  # 6 tokens
+    assert len(set(ref)) > 2  # it really samples
+    w = worker_factory()
+    out = w.execute(SO(0, new_reqs=[new], num_scheduled_tokens={"s": 12}))
+    assert out.sampled_token_ids == [ref[:1]]
+    wrong = (ref[4] + 1) % 512
+    cached = CachedRequestData(["s"], [ref[:1]], [None], [12])
+    out = w.execute(SO(1, cached_reqs=cached, num_scheduled_tokens={"s": 5},
+                       draft_token_ids={"s": [ref[1], ref[2], ref[3], wrong]}))
+    assert out.sampled_token_ids == [ref[1:5]]  # five positions sampled, four kept
+    cached = CachedRequestData(["s"], [ref[1:5]], [None], [16])
+    out = w.execute(SO(2, cached_reqs=cached, num_scheduled_tokens={"s": 1}))
+    assert out.sampled_token_ids == [ref[5:6]]

@@ -4,7 +4,8 @@ request with a typed error and costs nobody else anything.
 Each case injects a value the checks would refuse, by going around them (a frozen
 ``SamplingParams`` written after validation; a controller told the vocabulary is larger than
 it is). Without the worker's per-request admission each one fails the whole step: the worker
-group is rebuilt, every request in flight fails, and the restart budget shrinks.
+group is rebuilt, every request in flight waits for it, the bad one fails the new group again
+until its failure limit, and the restart budget shrinks.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _run(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]]) -> dic
 def _injected(llm: LLM, kind: str) -> tuple[list[int], SamplingParams]:
     if kind == "top_k":  # the int64 column of the sampling rows cannot hold it
         return [*PROMPT], _past_the_checks(SamplingParams(max_tokens=4), top_k=2**63)
-    if kind == "seed":  # torch's generator cannot take it
+    if kind == "seed":  # past the 64 bits its noise seeds are made of
         return [*PROMPT], _past_the_checks(SamplingParams(max_tokens=4), seed=2**64)
     # A prompt token past the vocabulary: it would index the embedding out of bounds.
     return [*PROMPT[:5], llm.engine.vocab_size + 5], SamplingParams(max_tokens=4)

@@ -9,6 +9,7 @@ from pagedserve.workers.sampler import (
     Sampler,
     SamplingMetadata,
     apply_penalties,
+    noise_seed,
     restrict_support,
 )
 
@@ -22,15 +23,11 @@ def md(n: int, **kw) -> SamplingMetadata:
         "top_k": torch.zeros(n, dtype=torch.int64),
         "top_p": torch.ones(n),
         "min_p": torch.zeros(n),
-        "generators": [None] * n,
+        "noise_seeds": [None] * n,
         "num_logprobs": [None] * n,
     }
     base.update(kw)
     return SamplingMetadata(**base)
-
-
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def test_greedy_is_argmax():
@@ -45,20 +42,43 @@ def test_same_seed_same_tokens_whatever_the_batch():
 
     def run(batch_logits: torch.Tensor, row: int, steps: int = 5) -> list[int]:
         n = batch_logits.shape[0]
-        gens = [seeded(100 + i) for i in range(n)]
-        gens[row] = seeded(42)
-        if n > 1:
-            gens[0 if row else 1] = None  # an unseeded neighbour uses the shared generator
         sampler = Sampler(CPU, seed=len(batch_logits))
-        return [
-            int(sampler(batch_logits.clone(), md(n, generators=gens)).sampled[row])
-            for _ in range(steps)
-        ]
+        tokens = []
+        for j in range(steps):
+            seeds: list[int | None] = [noise_seed(100 + i, j) for i in range(n)]
+            seeds[row] = noise_seed(42, j)
+            if n > 1:
+                seeds[0 if row else 1] = None  # an unseeded neighbour uses the shared noise
+            out = sampler(batch_logits.clone(), md(n, noise_seeds=seeds))
+            tokens.append(int(out.sampled[row]))
+        return tokens
 
     alone = run(target, 0)
     crowded = run(torch.cat([torch.randn(3, V), target, torch.randn(2, V)]), 3)
     assert alone == crowded
     assert len(set(alone)) > 1  # it really samples
+
+
+def test_a_seeded_sample_depends_on_its_seed_and_position_only():
+    """Sampling a position again (a resumed request), or sampling a later one first (drafts
+    in one step), gives each position the token it gets in order, one step at a time."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, V).repeat(6, 1)  # one distribution, six positions
+
+    def one(j: int, sampler: Sampler) -> int:
+        return int(sampler(logits[:1].clone(), md(1, noise_seeds=[noise_seed(7, j)])).sampled[0])
+
+    in_order = [one(j, Sampler(CPU, seed=0)) for j in range(6)]
+    assert len(set(in_order)) > 1
+    again, shuffled = Sampler(CPU, seed=5), (3, 0, 5, 3, 1, 2, 4)
+    assert [one(j, again) for j in shuffled] == [in_order[j] for j in shuffled]
+    # One call sampling all six positions as rows (a row's drafts) agrees too.
+    seeds = [noise_seed(7, j) for j in range(6)]
+    batched = Sampler(CPU)(logits.clone(), md(6, noise_seeds=seeds))
+    assert batched.sampled.tolist() == in_order
+    # Distinct seeds and positions give distinct generator seeds.
+    keys = {noise_seed(s, j) for s in range(50) for j in range(50)}
+    assert len(keys) == 2500
 
 
 def test_top_k_top_p_min_p_restrict_support():

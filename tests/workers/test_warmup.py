@@ -71,3 +71,23 @@ def test_a_short_context_caps_the_warm_up_prompt(checkpoint_dir, monkeypatch) ->
     w.init_kv_cache(KVCacheLayout(8, 4, [list(range(len(report.layer_specs)))]))
     assert lens == [7, 7]
 
+
+
+def test_a_one_row_batch_warms_up_one_request_at_a_time(checkpoint_dir, monkeypatch) -> None:
+    rows: list[int] = []
+    execute = ModelRunner.execute
+
+    def recording(self: ModelRunner, so) -> ModelRunnerOutput:  # type: ignore[no-untyped-def]
+        rows.append(len(so.num_scheduled_tokens))
+        return execute(self, so)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    w = Worker(EngineConfig(
+        model=ModelConfig(model=str(checkpoint_dir("llama")), dtype="float32"),
+        cache=CacheConfig(block_size=4, kv_cache_memory_bytes=1 << 22),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1),
+    ))
+    report = w.load_model()
+    w.init_kv_cache(KVCacheLayout(16, 4, [list(range(len(report.layer_specs)))]))
+    assert rows == [1, 1, 0, 1, 1, 0]
+    assert w.runner is not None and w.runner.batch.num_reqs == 0
