@@ -215,3 +215,48 @@ def test_sampling_distribution_is_the_targets(ckpt_root: str) -> None:
             assert stats["spec_decode_num_draft_tokens"] == n
             assert 0.05 * n < accepted < 0.8 * n  # sometimes right, sometimes wrong
     assert runs[True] == runs[False]
+
+
+def test_every_sampling_feature_draws_the_same_with_drafts(ckpt_root: str) -> None:
+    """Seeded draws take their noise from (seed, position), and a draft is kept only where it
+    equals the model's own sample, so with penalties, logit bias, min-p, top-k/top-p, n > 1,
+    a JSON schema and logprobs, speculation changes no token (and no logprob beyond float
+    noise of the batched pass)."""
+    from helpers.schemas import BOUNDED_SCHEMAS
+
+    from pagedserve.messages import StructuredOutputsParams
+
+    path = _checkpoint("llama", ckpt_root)
+    prompts = _prompts(21, (5, 30))
+    sampled = dict(max_tokens=30, temperature=1.0, ignore_eos=True)
+    variants = [
+        SamplingParams(**sampled, top_p=0.9, seed=1, n=3),
+        SamplingParams(**sampled, top_k=20, min_p=0.05, seed=2, repetition_penalty=1.3,
+                       presence_penalty=0.5, frequency_penalty=0.3,
+                       logit_bias={prompts[0][1]: 3.0, 7: -100.0}),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, n=2, logprobs=2),
+        SamplingParams(max_tokens=60, temperature=0.7, seed=3, structured_outputs=(
+            StructuredOutputsParams(json=BOUNDED_SCHEMAS[0], disable_any_whitespace=True))),
+    ]
+    params = [p for p in variants for _ in prompts]
+    runs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                        "disable_by_batch_size": None}):
+        outs, stats = _run(path, prompts * len(variants), params, block_size=8,
+                           speculative_config=spec)
+        runs.append(outs)
+    _assert_speculated(stats)
+    for plain, spec in zip(*runs, strict=True):
+        assert len(plain.outputs) == len(spec.outputs)
+        for a, b in zip(plain.outputs, spec.outputs, strict=True):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            if a.logprobs is not None:
+                for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+                    assert la.keys() == lb.keys()
+                    assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+    schema_outs = runs[1][-len(prompts):]
+    import json
+
+    import jsonschema
+    for o in schema_outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), BOUNDED_SCHEMAS[0])

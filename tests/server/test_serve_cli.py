@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx2 as httpx
+import pytest
 
 from pagedserve.serving.cli.serve import add_serve_parser, engine_options, run_serve
 
@@ -47,6 +48,20 @@ def test_defaults_and_engine_options() -> None:
     args = _parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3", "--calculate-kv-scales"])
     opts = engine_options(args)
     assert opts["kv_cache_dtype"] == "fp8_e4m3" and opts["calculate_kv_scales"] is True
+
+
+def test_speculative_config_is_json_and_checked_by_name(capsys) -> None:
+    args = _parser().parse_args(
+        ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert engine_options(args)["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--speculative-config", "ngram"])  # not JSON
+    assert "not JSON" in capsys.readouterr().err
+    args = _parser().parse_args(["serve", "--model", "/m", "--speculative-config",
+                                 '{"method": "ngram", "lookahead": 3}'])
+    assert run_serve(args) == 2
+    assert "speculative_config.lookahead" in capsys.readouterr().err
 
 
 def test_bad_engine_option_returns_2(capsys) -> None:
