@@ -5,7 +5,8 @@ drift cancels), and their ratio. Nothing but the model's forward is timed: no sc
 sampling, no HTTP.
 
 Shapes: ``decode N`` is N sequences of one new token each after ``--context`` cached tokens;
-``prefill T`` one sequence of T new tokens from an empty cache.
+``prefill T`` one sequence of T new tokens from an empty cache; ``verify K`` one sequence of K
+new tokens after ``--context`` cached tokens (a speculative step: its last token and drafts).
 
     python benchmarks/scripts/layer_step.py --model smollm2 --dtype bfloat16
     python benchmarks/scripts/layer_step.py --model llama-22m --dtype float32 --out FILE.md
@@ -45,6 +46,8 @@ def step_inputs(kind: str, n: int, context: int, vocab: int) -> tuple[torch.Tens
     g = torch.Generator().manual_seed(n)
     if kind == "decode":
         lens, new = [context + 1] * n, [1] * n
+    elif kind == "verify":
+        lens, new = [context + n], [n]
     else:
         lens, new = [n], [n]
     per = -(-max(lens) // BLOCK)
@@ -78,7 +81,7 @@ def main() -> None:
     fused = list(layers.fused)
     shapes = [(k, int(n)) for k, n in (s.split(":") for s in args.shapes.split(","))]
     most = max(n if k == "decode" else 1 for k, n in shapes)
-    blocks = most * -(-(max(args.context + 1, max(n for _, n in shapes))) // BLOCK) + 1
+    blocks = most * -(-(args.context + max(n for _, n in shapes)) // BLOCK) + 1
     d = arch.head_dim
     for layer in layers.layers:
         attn = layer.self_attn.attn

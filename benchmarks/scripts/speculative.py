@@ -66,7 +66,8 @@ def run(model: str, method: str, texts: list[str], args: argparse.Namespace) -> 
     """One configuration on a fresh engine (only one engine runs at a time)."""
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(model, backend=args.backend, dtype=args.dtype, max_num_seqs=args.concurrency,
+    llm = LLM(model, backend=args.backend, dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=args.concurrency,
               enable_prefix_caching=False, speculative_config=METHODS[method])
     try:
         llm.chat([[{"role": "user", "content": texts[0]}]],
@@ -95,6 +96,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--quantization", default="none",
+                    help="none: the checkpoint's weights at --dtype (the GGUF default model "
+                         "would otherwise run its 4-bit blocks)")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--backend", default=None, choices=("ray", "local"),
                     help="default: the engine's default (Ray)")
@@ -120,8 +124,9 @@ def main() -> None:
 
 def table(args: argparse.Namespace, methods: list[str], rounds: list[dict], n: int) -> None:
     tokens = [sum(len(o) for o in r["none"]["outputs"]) for r in rounds]
-    lines = [f"model `{args.model}`, {args.dtype}, {n} copy-and-edit chat requests at "
-             f"concurrency {args.concurrency}, greedy, up to {args.max_tokens} new tokens "
+    lines = [f"model `{args.model}`, {args.dtype}, quantization {args.quantization}, {n} "
+             f"copy-and-edit chat requests at concurrency {args.concurrency}, greedy, up to "
+             f"{args.max_tokens} new tokens "
              f"({tokens[0]} in all), {len(rounds)} round(s)", "",
              "| drafts | config | output tok/s (median) | ratio to none (median) "
              "| acceptance rate | tokens per verify step | identical to none |",
