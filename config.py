@@ -25,7 +25,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 # Bytes per element of each named dtype (the KV arithmetic of code that has no torch).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 def cache_root() -> Path:
@@ -224,11 +224,18 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding (``speculative_config``, spelled as vLLM spells it): a proposer on
     the controller guesses up to ``num_speculative_tokens`` tokens per request and step, and
-    the workers verify them in the same forward pass. ``method=None``: off."""
+    the workers verify them in the same forward pass (``draft_model``: a smaller model on the
+    workers guesses them, right after the step that verified the previous ones). ``method=None``:
+    off."""
 
     method: str | None = None
     """``ngram``: prompt lookup (the last n tokens matched against the request's own prompt
-    and output); ``suffix``: suffix trees over the request and recent requests' outputs."""
+    and output); ``suffix``: suffix trees over the request and recent requests' outputs;
+    ``draft_model``: greedy drafts of the checkpoint named by ``model``."""
+    model: str | None = None
+    """``draft_model``: the draft's Hugging Face checkpoint directory, a smaller model with the
+    target's vocabulary; loaded on every worker like the target (same dtype, sharded the same
+    way), its KV in the target's blocks (``docs/architecture.md``, Speculative decoding)."""
     num_speculative_tokens: int = 5
     """The most drafts per request and step (suffix drafts are often fewer: their length
     follows the match)."""
@@ -251,6 +258,14 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method is not None:
             _check_choice("speculative_config.method", self.method, SPECULATIVE_METHODS)
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError("speculative_config.model",
+                              f"method 'draft_model' needs a checkpoint directory, got "
+                              f"{self.model!r}")
+        if self.model is not None and self.method != "draft_model":
+            raise ConfigError("speculative_config.model",
+                              f"only method 'draft_model' takes a model (method is "
+                              f"{self.method!r})")
         _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens,
                    1, 64)
         _check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
@@ -298,6 +313,15 @@ class EngineConfig:
                 "dcp_interleave",
                 f"must divide block_size={self.cache.block_size}, "
                 f"got {self.parallel.dcp_interleave}",
+            )
+        dcp = self.parallel.decode_context_parallel_size
+        if self.speculative.method == "draft_model" and dcp > 1:
+            # The draft's layers share the target's block tables, whose slots a rank holds
+            # only for its own share of the tokens under DCP.
+            raise ConfigError(
+                "speculative_config.method",
+                f"'draft_model' does not run with decode_context_parallel_size > 1 (got {dcp}); "
+                "use ngram or suffix drafts",
             )
         if self.scheduler.preemption_mode == "swap" and not self.cache.host_tier_enabled:
             raise ConfigError(

@@ -18,89 +18,13 @@ from typing import Any
 
 import msgpack
 
+from pagedserve.request_outputs import CompletionDelta as CompletionDelta  # re-exported
+from pagedserve.request_outputs import CompletionOutput as CompletionOutput
+from pagedserve.request_outputs import RequestDelta as RequestDelta
+from pagedserve.request_outputs import RequestOutput as RequestOutput
 from pagedserve.sampling_params import SamplingParams as SamplingParams  # re-exported
 from pagedserve.sampling_params import SamplingParamsError as SamplingParamsError
 from pagedserve.sampling_params import StructuredOutputsParams as StructuredOutputsParams
-
-# --------------------------------------------------------------------------------------------
-# Sampling parameters and user-facing outputs
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One of a request's ``n`` completions."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    """``stop`` (EOS, stop token or stop string), ``length``, ``abort`` or ``error``."""
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-    tool_calls: list[dict[str, str]] | None = None
-    """From ``LLM.chat`` with ``tools`` (unless ``tool_choice`` is ``none``): the calls the text
-    makes, each ``{"id", "name", "arguments"}`` (the arguments' JSON text); ``text`` stays the
-    whole text the model wrote."""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One request's whole output so far (built from its ``RequestDelta``s by an accumulator)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    num_cached_tokens: int = 0
-    error: str | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    """With ``prompt_logprobs`` asked for: per prompt position, ``{prompt token: logprob,
-    top_1: logprob, ...}`` (the prompt token first); None at position 0."""
-    num_host_cached_tokens: int = 0
-    """Of ``num_cached_tokens``, those found in the host tier (copied back, not recomputed)."""
-    error_code: str | None = None
-    """With ``error``: the ``controller.errors`` class it stands for (``RequestFailedError``:
-    this request alone failed, the engine serves on); None for a failure of the engine."""
-
-
-@dataclass(slots=True)
-class CompletionDelta:
-    """What one completion gained in one engine step. Text is append-only: while stop strings
-    may still match, the engine holds back the characters that could start one."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    """One step's output of one request: the completions that progressed (only their new
-    tokens, text and logprobs), and whether the request is finished. ``error`` is set when the
-    engine failed the request (its unfinished completions end with ``finish_reason="error"``)."""
-
-    request_id: str
-    completions: list[CompletionDelta]
-    finished: bool = False
-    num_cached_tokens: int = 0
-    error: str | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    """The prompt positions whose logprobs became known this step (``RequestOutput``'s
-    ``prompt_logprobs``, in order, each sent once); None when there are none."""
-    num_host_cached_tokens: int = 0
-    error_code: str | None = None
-    """With ``error``: as ``RequestOutput.error_code``."""
-
 
 # --------------------------------------------------------------------------------------------
 # Controller <-> workers
@@ -125,6 +49,10 @@ class WorkerReport:
     vocab_size: int
     max_model_len: int
     device: str
+    draft_layer_specs: list[LayerKVSpec] = field(default_factory=list)
+    """Speculative decoding with a draft model: its attention layers. Each keeps its KV in
+    tensors of its own indexed by the target's block ids, so every block costs their bytes
+    too (``controller/kv_plan.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +69,10 @@ class KVCacheLayout:
     groups: list[list[int]]
     num_host_blocks: int = 0
     """Blocks of the host-memory tier (same per-block shape, own ids); 0: no tier."""
+    draft_groups: list[int] = field(default_factory=list)
+    """Per draft-model layer (``WorkerReport.draft_layer_specs``), the target group whose block
+    table it reads: it writes its own KV tensor at the same slots, so the target's allocations,
+    trims and copies carry it along."""
 
 
 @dataclass(slots=True)
@@ -201,6 +133,10 @@ class SchedulerOutput:
     each of its sampled positions may take (its last known token's, then one per draft): rows
     of ``W`` little-endian int32 words each (``32 * W >= vocab_size``), bit ``t % 32`` of word
     ``t // 32`` set when token ``t`` is allowed."""
+    num_lookahead_tokens: int = 0
+    """Slots the scheduler reserved past each request's chunk (where the blocks allowed it) for
+    drafts a draft model proposes on the workers after this step: they propose up to this many
+    per request that samples (``ModelRunnerOutput.draft_token_ids``). 0: propose none."""
 
 
 @dataclass(slots=True)
@@ -224,6 +160,9 @@ class ModelRunnerOutput:
     """New requests this rank could not take (a value the controller's checks missed), with
     the error: none of their tokens was computed this step. Decided from the request's own
     data, so every rank rejects the same ones."""
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """With ``SchedulerOutput.num_lookahead_tokens``: per request that sampled, the draft
+    model's greedy guesses of the tokens after the ones it accepted, for the next step."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,6 +180,26 @@ class AddRequest:
     cache_salt: str | None = None
     priority: int = 0
     """Under the ``priority`` scheduling policy, lower is served first."""
+    resume: ResumeState | None = None
+    """Set when a front end resubmits a request whose controller died: what the client has
+    already received of it, from which the new controller carries on."""
+
+
+@dataclass(slots=True)
+class ResumeState:
+    """What a client has received of a request, per completion (index order), when it moves
+    the request to a new controller (``controller.resume``). The new engine replays these
+    tokens as if it had sampled them, sends only what follows, and computes their KV again."""
+
+    token_ids: list[list[int]]
+    num_chars: list[int]
+    """Characters of text received: the engine holds back the rest of the replayed text (a
+    stop string may still match across it) and sends it later, as the old one would have."""
+    cumulative_logprobs: list[float | None]
+    finished: list[bool]
+    """A finished completion is not run again (its final delta was received)."""
+    num_prompt_logprobs: int = 0
+    """Prompt positions whose logprobs were received (position 0's None included)."""
 
 
 @dataclass(slots=True)
@@ -292,7 +251,7 @@ class StepFrame:
     ``workers/wire.py``. Bump ``VERSION`` on any change, so mismatched builds fail at the
     handshake."""
 
-    VERSION = 7
+    VERSION = 8
     HELLO = b"hello"  # rank -> controller, on both sockets: [version, rank, node, pid, is_output]
     STEP = b"step"  # controller -> rank: encode(SchedulerOutput)
     STOP = b"stop"  # controller -> rank: empty body; the rank answers BYE and leaves its loop
@@ -330,6 +289,7 @@ _TAGGED: tuple[type, ...] = (
     CompletionDelta,
     RequestDelta,
     StructuredOutputsParams,
+    ResumeState,
 )
 _TAG_OF: dict[type, int] = {cls: i + 1 for i, cls in enumerate(_TAGGED)}
 _CLS_OF: dict[int, type] = {i: cls for cls, i in _TAG_OF.items()}

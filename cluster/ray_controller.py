@@ -248,6 +248,7 @@ class Controller:
 
 
 # Threaded (max_concurrency=2) so that ping/info answer while shutdown runs; no CPU reserved:
-# the controller schedules, its workers compute. max_restarts=0: a restarted controller would
-# hold no requests and no workers; the client reports the death instead.
+# the controller schedules, its workers compute. max_restarts=0: a restarted actor would hold
+# no requests and no workers and listen on a new endpoint; the front end starts a new one
+# itself (``cluster.replica``) and moves the requests to it.
 ControllerActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(Controller)

@@ -5,9 +5,11 @@ Callers hand their frames to that thread (a queue plus an inproc wake-up), so ev
 safe from any thread. The IO thread receives ``OutputBatch``es (add verdicts, resolving the
 callers' futures, and each request's deltas, handed to its sink) and ``EngineStatus`` answers.
 It also sends a ``StatusRequest`` heartbeat every ``heartbeat_s``; when nothing has been heard
-for ``dead_after_s`` (or the connection drops), it asks Ray whether the actor is alive and, if
-not, fails every request with an error delta and makes later calls raise ``EngineDeadError``.
-Every wait is bounded.
+for ``dead_after_s`` (or the connection drops), it asks Ray whether the actor is alive. A dead
+actor (or one silent past ``dead_after_s`` whose ping does not answer either, then killed) is
+lost: every request ends with an error delta coded ``ControllerLostError``, later calls raise
+it, and ``on_lost`` hears of it (``cluster.replica`` starts another controller and the router
+moves the requests there). Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pagedserve.cluster.mailbox import Mailbox
 from pagedserve.controller.client import ClientBase
+from pagedserve.controller.errors import ControllerLostError, EngineDeadError
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.frame_auth import FrameAuth
 from pagedserve.messages import (
@@ -49,8 +52,9 @@ class RemoteEngineClient(ClientBase):
     """An ``EngineClient`` talking to one ``ReplicaServer`` at ``endpoint``.
 
     ``info`` is the controller's ``info()`` (model name, limits). ``actor``, when given, is the
-    controller's Ray handle: it confirms a suspected death. ``on_close`` runs once at the end
-    of ``shutdown`` (the launcher's: it stops the actor and frees its placement group).
+    controller's Ray handle: it confirms a suspected death. ``on_close`` runs once, at the end
+    of ``shutdown`` or when the controller is lost (the launcher's: it stops the actor).
+    ``on_lost(reason)`` runs once, on the IO thread, after a lost controller's requests failed.
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class RemoteEngineClient(ClientBase):
         tokenizer: Tokenizer | None = None,
         actor: Any = None,
         on_close: Callable[[], None] | None = None,
+        on_lost: Callable[[str], None] | None = None,
         heartbeat_s: float = 1.0,
         dead_after_s: float = 10.0,
         add_timeout_s: float = 120.0,
@@ -76,6 +81,7 @@ class RemoteEngineClient(ClientBase):
         self._auth = FrameAuth(info["auth_key"])
         self.actor = actor
         self._on_close = on_close
+        self._on_lost = on_lost
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
         self._status_seq = itertools.count(1)
@@ -194,11 +200,26 @@ class RemoteEngineClient(ClientBase):
             except ray.exceptions.GetTimeoutError:
                 pass
             except Exception as exc:
-                self._fail_all(f"{reason}: the controller actor is gone ({type(exc).__name__})")
-                self._close()  # free what the launcher reserved for it (its placement group)
+                self._lose(f"{reason}: the controller actor is gone ({type(exc).__name__})")
                 return
         if not at_once and time.monotonic() - self._last_rx > self._dead_after_s:
-            self._fail_all(reason)
+            if self.actor is None:
+                self._fail_all(reason)
+            else:  # alive to Ray but deaf: it is replaced all the same
+                self._lose(f"{reason}, nor to a ping")
+
+    def _lose(self, reason: str) -> None:
+        import ray
+
+        try:  # already dead, or hung: nothing of it may outlive this decision
+            ray.kill(self.actor, no_restart=True)
+        except Exception as exc:
+            logger.debug("killing a lost controller: %r", exc)
+        logger.warning("controller lost: %s", reason)
+        self._fail_all(reason, ControllerLostError)
+        self._close()
+        if self._on_lost is not None:
+            self._on_lost(reason)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
@@ -216,7 +237,7 @@ class RemoteEngineClient(ClientBase):
                 self._status_cv.notify_all()
         self._on_message(msg)
 
-    def _fail_all(self, reason: str) -> None:
-        super()._fail_all(reason)
+    def _fail_all(self, reason: str, error: type[EngineDeadError] = EngineDeadError) -> None:
+        super()._fail_all(reason, error)
         with self._status_cv:
             self._status_cv.notify_all()

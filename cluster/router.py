@@ -1,45 +1,73 @@
-"""``Router``: one ``EngineClient`` in front of data-parallel replicas, prefix-aware.
+"""``Router``: one ``EngineClient`` in front of the data-parallel replicas (one or several)
+that sends each request where its prefix is (``cluster.routing``) and moves a lost
+controller's requests to a live replica.
 
-Each replica has its own prefix cache, so a request should go where its prefix was computed.
-The router keys a request by the chained hash (``kv.hashing``, cache salt included) of its
-first ``prefix_blocks`` full blocks and sends it to the replica that key is **sticky** to; a
-key seen for the first time is placed by rendezvous hashing over the healthy replicas, so
-placement is stable and spreads evenly. The preferred replica is overridden when it is much
-busier than the least loaded one (``load > overload_factor * least + overload_slack``): the
-request then goes to the least loaded replica, and the key becomes sticky there. Prompts
-shorter than one block carry no reusable prefix and go to the least loaded replica.
+The load the policy weighs is what the router itself has in flight on each replica (it sees
+every add and every final output), which is exact for requests of this router and immediate,
+unlike a polled status.
 
-Load is what the router itself has in flight on each replica (it sees every add and every
-final output), which is exact for requests of this router and immediate, unlike a polled
-status. Dead replicas are skipped; the router stays healthy while one replica is.
+Failover: the router keeps each request until its final delta, with what its client has
+received (``controller.resume``). When a replica's controller is lost, its requests' error
+deltas (``ControllerLostError``) are not passed on: each request goes to a live replica as a
+resumed request, or, when none is live, waits for a replica that is starting a new controller
+(``cluster.replica``), one server-wide code path for any number of replicas. A stream sees a
+pause. Only when no replica is live or coming back do requests end with ``EngineDeadError``
+(and new ones are refused with it: the HTTP server's 503). The router is healthy while a
+replica serves or is coming back.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import functools
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+from pagedserve.cluster.replica import Replica, ReplicaState
+from pagedserve.cluster.routing import PrefixPolicy
 from pagedserve.controller.client import EngineClient, Sink
-from pagedserve.controller.errors import DuplicateRequestError, EngineDeadError
-from pagedserve.kv.hashing import BlockHasher
-from pagedserve.messages import AddRequest, RequestDelta
+from pagedserve.controller.errors import (
+    ControllerLostError,
+    DuplicateRequestError,
+    EngineDeadError,
+    error_code,
+)
+from pagedserve.controller.outputs import failed_delta
+from pagedserve.controller.resume import ResumeTracker
+from pagedserve.messages import AddRequest, CompletionDelta, RequestDelta
 
 __all__ = ["Router"]
 
 logger = logging.getLogger(__name__)
 
+_LOST = ControllerLostError.__name__
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    """A request from its submission to its final delta. ``attempt`` counts its submissions:
+    callbacks of an earlier one (a lost controller's) are ignored."""
+
+    request: AddRequest
+    sink: Sink
+    key: bytes | None
+    added: Future[None]
+    tracker: ResumeTracker
+    replica: int | None = None  # None while it waits for a replica
+    attempt: int = 0
+
 
 class Router:
-    """Routes requests over ``replicas`` (each an ``EngineClient``); see the module docstring."""
+    """Routes requests over ``replicas`` (``Replica``s; a plain ``EngineClient`` is a replica
+    that cannot be replaced) and moves those of a lost controller; see the module docstring."""
 
     def __init__(
         self,
-        replicas: Sequence[EngineClient],
+        replicas: Sequence[Replica | EngineClient],
         block_size: int,
         *,
         prefix_blocks: int = 2,
@@ -50,55 +78,49 @@ class Router:
     ) -> None:
         if not replicas:
             raise ValueError("a router needs at least one replica")
-        self.replicas = list(replicas)
+        self.replicas = [
+            r if isinstance(r, Replica) else Replica(i, functools.partial(_fixed, r))
+            for i, r in enumerate(replicas)
+        ]
         first = self.replicas[0]
         self.model_name = first.model_name
         self.max_model_len = first.max_model_len
         self.vocab_size = first.vocab_size
         self.tokenizer = first.tokenizer
         self.block_size = block_size
-        self.prefix_blocks = prefix_blocks
-        self.overload_factor = overload_factor
-        self.overload_slack = overload_slack
-        self._hasher = BlockHasher(block_size)
+        self.policy = PrefixPolicy(block_size, prefix_blocks=prefix_blocks,
+                                   overload_factor=overload_factor,
+                                   overload_slack=overload_slack, max_sticky=max_sticky)
         self._lock = threading.Lock()
-        self._sticky: OrderedDict[bytes, int] = OrderedDict()
-        self._max_sticky = max_sticky
-        self._where: dict[str, int] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._waiting: list[_Flight] = []  # lost their controller; no replica is live
         self._load = [0] * len(self.replicas)
+        self.num_moved = 0
+        """Requests moved off a lost controller (to another replica or a new controller)."""
         self.routes: deque[tuple[str, int, str]] = deque(maxlen=log_size)
         """Recent decisions: ``(request_id, replica, reason)``, reason one of ``prefix``,
-        ``new-prefix``, ``overload``, ``no-prefix``."""
+        ``new-prefix``, ``overload``, ``no-prefix``, ``moved``."""
+        for replica in self.replicas:
+            replica.watch(self._on_replica)
 
     # ------------------------------------------------------------------ policy
     def prefix_key(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> bytes | None:
-        full = min(len(prompt_token_ids) // self.block_size, self.prefix_blocks)
-        if full == 0:
-            return None
-        hashes: list[bytes] = []
-        self._hasher.extend(hashes, list(prompt_token_ids[: full * self.block_size]), cache_salt)
-        return hashes[-1]
+        return self.policy.prefix_key(prompt_token_ids, cache_salt)
 
-    def _choose(self, key: bytes | None) -> tuple[int, str]:
+    def _choose(self, key: bytes | None) -> tuple[int | None, str]:
+        """The replica for a request of ``key`` (None when none is healthy). Under the lock."""
         healthy = [i for i, r in enumerate(self.replicas) if r.is_healthy()]
-        if not healthy:
-            raise EngineDeadError("every data-parallel replica is down")
-        least = min(healthy, key=lambda i: self._load[i])
-        if key is None:
-            return least, "no-prefix"
-        preferred = self._sticky.get(key)
-        reason = "prefix"
-        if preferred is None or preferred not in healthy:
-            preferred = max(healthy, key=lambda i: hashlib.sha256(key + bytes([i % 256])).digest())
-            reason = "new-prefix"
-        limit = self.overload_factor * self._load[least] + self.overload_slack
-        if preferred != least and self._load[preferred] > limit:
-            preferred, reason = least, "overload"
-        self._sticky[key] = preferred
-        self._sticky.move_to_end(key)
-        while len(self._sticky) > self._max_sticky:
-            self._sticky.popitem(last=False)
-        return preferred, reason
+        return self.policy.choose(key, healthy, self._load)
+
+    def _coming_back(self, lost_from: int | None) -> bool:
+        """A replica is starting a new controller, or the one ``lost_from`` is about to (its
+        client failed its requests before telling it). Under the lock."""
+        if any(r.restarting for r in self.replicas):
+            return True
+        if lost_from is None:
+            return False
+        replica = self.replicas[lost_from]
+        return replica.replaceable and replica.state is ReplicaState.LIVE
 
     # ------------------------------------------------------------------ EngineClient
     def add_request(self, request: AddRequest, sink: Sink) -> None:
@@ -106,23 +128,29 @@ class Router:
 
     def submit(self, request: AddRequest, sink: Sink) -> Future[None]:
         """Route and send without waiting for the verdict; ``wait_added(future)`` raises what
-        ``add_request`` would have."""
+        ``add_request`` would have. While no replica is live but one is coming back, the
+        request waits for it."""
         rid = request.request_id
-        index, reason = self._route(rid, request.prompt_token_ids, request.cache_salt)
-        try:
-            fut = self.replicas[index].submit(request, self._tracking(rid, index, sink))
-        except BaseException:
-            self._release(rid, index)
-            raise
-
-        def settle(f: Future[None]) -> None:
-            if f.exception() is not None:
-                self._release(rid, index)
+        key = self.prefix_key(request.prompt_token_ids, request.cache_salt)
+        flight = _Flight(request, sink, key, Future(), ResumeTracker(request.params.n))
+        with self._lock:
+            if rid in self._flights:
+                raise DuplicateRequestError(f"request id {rid!r} is already in use")
+            index, reason = self._choose(key)
+            if index is None and not self._coming_back(None):
+                raise EngineDeadError(f"every data-parallel replica is down: {self.error}")
+            self._flights[rid] = flight
+            if index is None:
+                self._waiting.append(flight)
             else:
-                self.routes.append((rid, index, reason))
-
-        fut.add_done_callback(settle)
-        return fut
+                self._assign(flight, index)
+        if index is not None:
+            try:
+                self._send(flight, reason)
+            except BaseException:
+                self._drop(flight)
+                raise
+        return flight.added
 
     def wait_added(self, fut: Future[None], timeout_s: float = 120.0) -> None:
         # A replica's client resolves its pending adds itself when it finds the replica dead.
@@ -131,45 +159,35 @@ class Router:
         except TimeoutError:
             raise EngineDeadError(f"no answer to an add within {timeout_s} s") from None
 
-    def _route(
-        self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None
-    ) -> tuple[int, str]:
-        key = self.prefix_key(prompt_token_ids, cache_salt)
-        with self._lock:
-            if request_id in self._where:
-                raise DuplicateRequestError(f"request id {request_id!r} is already in use")
-            index, reason = self._choose(key)
-            self._where[request_id] = index
-            self._load[index] += 1
-        return index, reason
-
-    def _tracking(self, request_id: str, index: int, sink: Sink) -> Sink:
-        def on_output(out: RequestDelta) -> None:
-            if out.finished:
-                self._release(request_id, index)
-            sink(out)
-
-        return on_output
-
-    def _release(self, request_id: str, index: int) -> None:
-        with self._lock:
-            if self._where.get(request_id) == index:
-                del self._where[request_id]
-                self._load[index] -= 1
-
     def abort_request(self, request_id: str) -> None:
-        index = self._where.get(request_id)
+        with self._lock:
+            flight = self._flights.get(request_id)
+            if flight is None:
+                return
+            index = flight.replica
+            waiting = index is None and flight in self._waiting
+            if waiting:  # for a replica: it ends here
+                self._waiting.remove(flight)
         if index is not None:
             self.replicas[index].abort_request(request_id)
+            return
+        if not waiting:  # failing this very moment
+            return
+        self._drop(flight)
+        _resolve(flight.added)
+        unfinished = flight.tracker.unfinished()
+        flight.sink(RequestDelta(request_id, [CompletionDelta(i, [], "", finish_reason="abort")
+                                              for i in unfinished], finished=True))
 
     def replica_of(self, request_id: str) -> int | None:
-        return self._where.get(request_id)
+        flight = self._flights.get(request_id)
+        return flight.replica if flight is not None else None
 
     def stats(self) -> dict[str, Any]:
         """Numeric stats summed over replicas, plus ``replicas`` (each one's own, with its
-        ``healthy`` flag and the router's ``in_flight`` count)."""
+        ``healthy`` flag, its ``state`` and the router's ``in_flight`` count)."""
         per: list[dict[str, Any]] = []
-        total: dict[str, Any] = {}
+        total: dict[str, Any] = {"num_requests_moved": self.num_moved}
         for i, replica in enumerate(self.replicas):
             s = dict(replica.stats())
             s["healthy"] = replica.is_healthy()
@@ -178,11 +196,13 @@ class Router:
             for k, v in s.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     total[k] = total.get(k, 0) + v
+            s["state"] = replica.state.value
         total["replicas"] = per
         return total
 
     def is_healthy(self) -> bool:
-        return any(r.is_healthy() for r in self.replicas)
+        """A replica serves, or one is starting a new controller (requests wait for it)."""
+        return any(r.is_healthy() or r.restarting for r in self.replicas)
 
     @property
     def error(self) -> str | None:
@@ -197,3 +217,148 @@ class Router:
                 replica.shutdown()
             except Exception:
                 logger.exception("replica shutdown failed")
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        for flight in waiting:
+            self._fail(flight, EngineDeadError("the client was shut down"))
+
+    # ------------------------------------------------------------------ flights
+    def _assign(self, flight: _Flight, index: int) -> None:
+        """Under the lock: ``flight`` goes to replica ``index`` as a new attempt."""
+        flight.replica = index
+        flight.attempt += 1
+        self._load[index] += 1
+
+    def _send(self, flight: _Flight, reason: str) -> None:
+        """Submit ``flight`` to its replica: resumed with what its client has, if anything.
+        A replica found lost meanwhile moves it on; a refusal raises."""
+        index, attempt = flight.replica, flight.attempt
+        assert index is not None
+        state = flight.tracker.state()
+        request = flight.request if state is None else dataclasses.replace(
+            flight.request, resume=state)
+        try:
+            fut = self.replicas[index].submit(
+                request, functools.partial(self._on_delta, flight, attempt))
+        except ControllerLostError as exc:
+            self._move(flight, attempt, str(exc))
+            return
+        fut.add_done_callback(
+            functools.partial(self._on_verdict, flight, attempt, (index, reason)))
+
+    def _on_verdict(
+        self, flight: _Flight, attempt: int, route: tuple[int, str], fut: Future[None]
+    ) -> None:
+        exc = fut.exception()
+        if exc is None:
+            # Even for an attempt that is over: a request that finished within the batch of
+            # its verdict is over before this callback is added (then called at once).
+            self.routes.append((flight.request.request_id, *route))
+            _resolve(flight.added)
+        elif attempt != flight.attempt:
+            return
+        elif isinstance(exc, ControllerLostError):
+            self._move(flight, attempt, str(exc))
+        else:
+            self._fail(flight, exc)
+
+    def _on_delta(self, flight: _Flight, attempt: int, delta: RequestDelta) -> None:
+        """The sink of one attempt (on its client's thread)."""
+        if attempt != flight.attempt:
+            return
+        if delta.error_code == _LOST:
+            self._move(flight, attempt, delta.error or "the controller was lost")
+            return
+        flight.tracker.add(delta)
+        if delta.finished:
+            self._drop(flight)
+        flight.sink(delta)
+
+    def _move(self, flight: _Flight, attempt: int, why: str) -> None:
+        """Take ``flight`` off its lost controller: to a live replica, to the waiting list
+        (one is coming back), or to its end (none is)."""
+        with self._lock:
+            lost_from = flight.replica
+            current = self._flights.get(flight.request.request_id) is flight
+            if attempt != flight.attempt or lost_from is None or not current:
+                return
+            self._load[lost_from] -= 1
+            flight.replica = None
+            self.num_moved += 1
+            index, _ = self._choose(flight.key)
+            if index is not None:
+                self._assign(flight, index)
+            elif self._coming_back(lost_from):
+                self._waiting.append(flight)
+                return
+        if index is None:
+            self._fail(flight, EngineDeadError(f"no data-parallel replica is left: {why}"))
+            return
+        logger.info("request %s: its controller was lost; it goes on at replica %d",
+                    flight.request.request_id, index)
+        self._resend(flight)
+
+    def _resend(self, flight: _Flight) -> None:
+        try:
+            self._send(flight, "moved")
+        except Exception as exc:  # refused where it went (a full engine): it ends here
+            self._fail(flight, exc)
+
+    def _on_replica(self, replica: Replica) -> None:
+        """A replica is back (the waiting requests go on) or dead (they end, unless another
+        one may still take them)."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+            placed = []
+            for flight in waiting:
+                index, _ = self._choose(flight.key)
+                if index is not None:
+                    self._assign(flight, index)
+                    placed.append(flight)
+                elif self._coming_back(None):
+                    self._waiting.append(flight)
+                else:
+                    placed.append(flight)
+        for flight in placed:
+            if flight.replica is None:
+                self._fail(flight, EngineDeadError(f"no data-parallel replica is left: "
+                                                   f"{replica.error}"))
+            else:
+                self._resend(flight)
+
+    def _drop(self, flight: _Flight) -> None:
+        """Forget a finished (or failed) request; later callbacks of it are ignored."""
+        with self._lock:
+            rid = flight.request.request_id
+            if self._flights.get(rid) is flight:
+                del self._flights[rid]
+            if flight.replica is not None:
+                self._load[flight.replica] -= 1
+                flight.replica = None
+            flight.attempt += 1
+
+    def _fail(self, flight: _Flight, exc: BaseException) -> None:
+        """End ``flight`` with ``exc``: its add raises it, or, once accepted, its stream ends
+        with an error delta naming it."""
+        self._drop(flight)
+        if _resolve(flight.added, exc):
+            return
+        rid = flight.request.request_id
+        flight.sink(failed_delta(rid, flight.tracker.unfinished(), str(exc), error_code(exc)))
+
+
+def _fixed(client: EngineClient, on_lost: Any) -> EngineClient:
+    """``Replica``'s connect for a client that was made without it (no restarts)."""
+    return client
+
+
+def _resolve(fut: Future[None], exc: BaseException | None = None) -> bool:
+    """Settle ``fut`` unless it is settled already; True if this call did."""
+    try:
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+    except InvalidStateError:
+        return False
+    return True

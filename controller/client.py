@@ -86,6 +86,7 @@ class ClientBase:
         self._requests: dict[str, tuple[Sink, int]] = {}  # id -> (sink, n)
         self._adds: dict[str, deque[Future[None]]] = {}
         self._dead: str | None = None
+        self._dead_error: type[EngineDeadError] = EngineDeadError
 
     def _post(self, msg: AddRequest | AbortRequest) -> None:
         raise NotImplementedError
@@ -95,10 +96,11 @@ class ClientBase:
         self.wait_added(self.submit(request, sink))
 
     def submit(self, request: AddRequest, sink: Sink) -> Future[None]:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
         fut: Future[None] = Future()
         with self._lock:
+            # Under the lock: a request registered after ``_fail_all`` would never hear of it.
+            if self._dead is not None:
+                raise self._dead_error(self._dead)
             if request.request_id in self._requests:
                 raise DuplicateRequestError(
                     f"request id {request.request_id!r} is already in use"
@@ -117,7 +119,7 @@ class ClientBase:
                 return
             except TimeoutError:
                 if self._dead is not None:
-                    raise EngineDeadError(self._dead) from None
+                    raise self._dead_error(self._dead) from None
                 if time.monotonic() > deadline:
                     raise EngineDeadError(
                         f"the engine did not answer an add within {self._add_timeout_s} s"
@@ -160,18 +162,23 @@ class ClientBase:
                     self._requests.pop(delta.request_id, None)
             _call(entry[0], delta)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, error: type[EngineDeadError] = EngineDeadError) -> None:
+        """The engine is gone: every request ends with an error delta, every pending add and
+        later submit raises ``error``. A ``ControllerLostError`` names itself in the deltas'
+        ``error_code``, so that a front end can tell requests it may move elsewhere."""
+        code = error.__name__ if error is not EngineDeadError else None
         with self._lock:
             if self._dead is None:
                 self._dead = reason
+                self._dead_error = error
             requests, self._requests = self._requests, {}
             adds, self._adds = self._adds, {}
         for futs in adds.values():
             for fut in futs:
                 if not fut.done():
-                    fut.set_exception(EngineDeadError(reason))
+                    fut.set_exception(error(reason))
         for request_id, (sink, n) in requests.items():
-            _call(sink, failed_delta(request_id, list(range(n)), reason))
+            _call(sink, failed_delta(request_id, list(range(n)), reason, code))
 
 
 def _call(sink: Sink, delta: RequestDelta) -> None:

@@ -1,9 +1,8 @@
 """The engine core: validation, the KV cache plan, and the schedule -> execute -> update step.
 
-It is synchronous and transport-free: ``controller.loop.EngineLoop`` drives it, in this process
-or inside the Ray controller actor. Workers are reached only through an ``Executor``. Each step
-returns per-step deltas (``controller.outputs``): O(new tokens), never O(length).
-"""
+Synchronous and transport-free: ``controller.loop.EngineLoop`` drives it, here or in the Ray
+controller actor; workers are reached through an ``Executor``. Each step returns per-step
+deltas (``controller.outputs``): O(new tokens), never O(length)."""
 
 from __future__ import annotations
 
@@ -23,15 +22,22 @@ from pagedserve.controller.errors import (
 from pagedserve.controller.executor import Executor, WorkerGroupError
 from pagedserve.controller.kv_plan import plan_kv_cache, resolve_max_model_len
 from pagedserve.controller.outputs import RequestGroup, failed_delta
-from pagedserve.controller.recovery import count_failure, drop_over_limit, live_heads, resume
-from pagedserve.controller.rejected import void_rejected
-from pagedserve.controller.request import Request, RequestStatus, request_group, sequence_ids
+from pagedserve.controller.recovery import (
+    count_failure,
+    fail_all,
+    fail_over_limit,
+    live_heads,
+    resume,
+)
+from pagedserve.controller.rejected import fail_rejected
+from pagedserve.controller.request import RequestStatus, request_group, sequence_ids
 from pagedserve.controller.restarts import RestartPolicy
+from pagedserve.controller.resume import resume_group
 from pagedserve.controller.scheduler import Scheduler, StepHook
 from pagedserve.controller.structured_output import GrammarGate, grammar_text
 from pagedserve.controller.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from pagedserve.kv import BlockHasher
-from pagedserve.messages import AddRequest, RequestDelta, SchedulerOutput
+from pagedserve.messages import AddRequest, RequestDelta
 
 __all__ = ["EngineCore"]
 
@@ -131,12 +137,13 @@ class EngineCore:
         detokenizer = None if tok is None else (
             lambda p: IncrementalDetokenizer(tok, ids, p.skip_special_tokens)
         )
-        head, seqs = request_group(
-            rid, ids, params, detokenizer,
-            hasher=self.hasher, cache_salt=req.cache_salt, arrival_time=arrival_time,
-            priority=req.priority,
-        )
-        self._groups[rid] = RequestGroup(rid, seqs, head if params.n > 1 else None)
+        head, seqs = request_group(rid, ids, params, detokenizer, hasher=self.hasher,
+                                   cache_salt=req.cache_salt, arrival_time=arrival_time,
+                                   priority=req.priority)
+        group = RequestGroup(rid, seqs, head if params.n > 1 else None)
+        if req.resume is not None:  # moved here from a controller that died
+            resume_group(group, head, req.resume, self.vocab_size, self.scheduler)
+        self._groups[rid] = group
         if grammar is None:
             self.scheduler.add_request(head)
             return
@@ -184,7 +191,7 @@ class EngineCore:
         t0 = time.perf_counter()
         preemptions = self.scheduler.num_preemptions
         if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running)
+            self.scheduler.num_lookahead_tokens = self.drafter.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         if self._grammars is not None:
             tm = time.perf_counter()
@@ -203,11 +210,12 @@ class EngineCore:
             return self._on_worker_failure(exc)
         t2 = time.perf_counter()
         if runner_out.request_errors:
-            deltas += self._fail_rejected(sched_out, runner_out.request_errors)
+            deltas += fail_rejected(self.scheduler, self._groups, sched_out,
+                                    runner_out.request_errors)
         seen: set[str] = set()
         progressed = self.scheduler.update_from_output(sched_out, runner_out)
         if self.drafter is not None:
-            self.drafter.record(sched_out, runner_out)
+            self.drafter.record(sched_out, runner_out, self.scheduler.requests)
             self.drafter.release_finished(self.scheduler.requests)
         for req in progressed:
             gid = req.group_id
@@ -268,29 +276,6 @@ class EngineCore:
                              RequestFailedError.__name__)]
 
     # ------------------------------------------------------------------- faults
-    def _fail_rejected(self, so: SchedulerOutput, errors: dict[str, str]) -> list[RequestDelta]:
-        """Fail the groups of the requests the workers rejected, and nothing else: the blocks
-        they left unwritten leave the prefix cache, and whoever read one this step is computed
-        again (``controller.rejected``). Neither the group nor the restart budget is touched."""
-        sched = self.scheduler
-        groups = {
-            g.request_id: g for rid in errors
-            if (req := sched.requests.get(rid)) is not None
-            and (g := self._groups.get(req.group_id)) is not None
-        }
-        void_rejected(sched, so, {s for g in groups.values() for s in g.seq_ids()})
-        deltas = []
-        for gid, group in groups.items():
-            error = next(errors[s] for s in group.seq_ids() if s in errors)
-            logger.error("request %s failed on the workers: %s", gid, error)
-            sched.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
-            del self._groups[gid]
-            deltas.append(failed_delta(
-                gid, [s.index for s in group.seqs], f"the workers could not serve it: {error}",
-                RequestFailedError.__name__,
-            ))
-        return deltas
-
     @property
     def healthy(self) -> bool:
         """False once worker-group restarts are exhausted (the engine is dead)."""
@@ -314,7 +299,8 @@ class EngineCore:
         old = self.scheduler
         heads = live_heads(old)
         count_failure(old)
-        deltas = self._fail_repeated(heads, reason)
+        deltas = fail_over_limit(heads, self._groups, self.restarts.max_failures_per_request,
+                                 reason)
         # The workers' rows and KV blocks (both tiers) are gone with them: nothing may refer
         # to a block of the dead group, so the requests start over in a fresh manager.
         self.kv = self.kv_plan.new_manager()
@@ -322,33 +308,10 @@ class EngineCore:
         resume([h for h in heads if not h.is_finished], self.scheduler)
         return deltas
 
-    def _fail_repeated(self, heads: list[Request], reason: str) -> list[RequestDelta]:
-        """Fail the groups of the requests that have now run through more failures than the
-        policy allows (one that kills its workers whenever it runs would otherwise spend the
-        whole restart budget)."""
-        limit = self.restarts.max_failures_per_request
-        deltas = []
-        for gid, n in drop_over_limit(heads, limit).items():
-            group = self._groups.pop(gid, None)
-            if group is None:
-                continue
-            logger.error("request %s failed: it ran through %d worker-group failures", gid, n)
-            deltas.append(failed_delta(
-                gid, [s.index for s in group.seqs if not s.emitted_final],
-                f"{reason}; the request ran through {n} worker-group failures "
-                f"(max_failures_per_request={limit})", RequestFailedError.__name__,
-            ))
-        return deltas
-
     def _fail_all(self, reason: str) -> list[RequestDelta]:
         """The engine is dead: end every request (held grammars included) with an
         ``EngineDeadError`` delta and release every block of both tiers."""
-        deltas = [
-            failed_delta(g.request_id, [s.index for s in g.seqs if not s.emitted_final],
-                         reason, EngineDeadError.__name__)
-            for g in self._groups.values()
-        ]
-        self._groups.clear()
+        deltas = fail_all(self._groups, reason)
         if self._grammars is not None:
             self._grammars.clear()
         self.kv = self.kv_plan.new_manager()
@@ -422,18 +385,9 @@ class EngineCore:
             "num_worker_restarts": self.num_restarts,
             # As of the last idle check.
             "kv_integrity_ok": self._kv_integrity_ok, "kv_integrity_checks": self._kv_checks,
-            **self._kv_pool_bytes(),
+            **self.kv_plan.pool_bytes(),
             **(self.drafter.stats() if self.drafter is not None else {}),
         })
-
-    def _kv_pool_bytes(self) -> dict[str, int | float]:
-        """One rank's KV pool size and element width: they follow ``kv_cache_dtype``."""
-        specs, layout = self.kv_plan.specs, self.kv_layout
-        if not specs:
-            return {}
-        page = specs[0].page_size_bytes  # equal across groups, per layer
-        return {"kv_cache_bytes": layout.num_blocks * page * len(layout.groups[0]),
-                "kv_cache_element_bytes": specs[0].dtype_bytes}
 
     def add_step_hook(self, hook: StepHook) -> None:
         """Run ``hook(scheduler, scheduler_output)`` after every schedule, e.g. to record

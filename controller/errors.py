@@ -11,6 +11,7 @@ from __future__ import annotations
 from pagedserve.kv.errors import RequestTooLargeError as _KVRequestTooLargeError
 
 __all__ = [
+    "ControllerLostError",
     "DuplicateRequestError",
     "EngineDeadError",
     "EngineOverloadedError",
@@ -89,6 +90,12 @@ class EngineDeadError(RuntimeError):
     requests failed."""
 
 
+class ControllerLostError(EngineDeadError):
+    """The controller actor serving the request died (or fell silent and was killed). A front
+    end that can start another one moves the request there (``controller.resume``); only one
+    that cannot lets this reach its caller."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed this request alone while serving it (the workers could not take a
     value that the checks at admission missed, or it could not be scheduled); the other
@@ -110,6 +117,7 @@ _BY_CODE: dict[str, type[Exception]] = {
         UnknownRequestError,
         EngineOverloadedError,
         EngineDeadError,
+        ControllerLostError,
         RequestFailedError,
     )
 }

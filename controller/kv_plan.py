@@ -16,7 +16,13 @@ from pagedserve.kv import (
 )
 from pagedserve.messages import KVCacheLayout, WorkerReport
 
-__all__ = ["KVPlan", "kv_groups_from_report", "plan_kv_cache", "resolve_max_model_len"]
+__all__ = [
+    "KVPlan",
+    "draft_groups_from_report",
+    "kv_groups_from_report",
+    "plan_kv_cache",
+    "resolve_max_model_len",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +62,66 @@ def kv_groups_from_report(report: WorkerReport, block_size: int) -> list[KVCache
     return group_layer_specs(specs)
 
 
+def draft_groups_from_report(report: WorkerReport, groups: list[KVCacheGroup]) -> list[int]:
+    """Per draft-model layer, the target group whose block table it shares: one that keeps
+    every token the layer attends to, a full-attention group first, else the narrowest
+    sliding-window group at least as wide as the layer's own window."""
+    windows = [g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None
+               for g in groups]
+    out = []
+    for i, ls in enumerate(report.draft_layer_specs):
+        need = ls.sliding_window  # None: every token
+        fits = [(w is not None, w or 0, g) for g, w in enumerate(windows)
+                if w is None or (need is not None and w >= need)]
+        if not fits:
+            raise ConfigError(
+                "speculative_config.model",
+                f"draft layer {i} attends over {need or 'all its'} tokens, but every layer "
+                "of the target keeps a shorter sliding window: no block table holds what it "
+                "reads",
+            )
+        out.append(min(fits)[2])
+    return out
+
+
+def _draft_block_bytes(report: WorkerReport, block_size: int) -> int:
+    """Bytes of one block over every draft-model layer (K and V)."""
+    return sum(
+        2 * block_size * ls.num_kv_heads * ls.head_size * ls.dtype_bytes
+        for ls in report.draft_layer_specs
+    )
+
+
+def _num_blocks(kv_bytes: int, groups: list[KVCacheGroup], draft_block_bytes: int) -> int:
+    """Blocks in ``kv_bytes`` when each also costs ``draft_block_bytes`` of draft KV."""
+    if not draft_block_bytes or not groups:
+        return num_blocks_from_bytes(kv_bytes, groups)
+    layers_per_group = max(len(g.layer_names) for g in groups)
+    return kv_bytes // (groups[0].spec.page_size_bytes * layers_per_group + draft_block_bytes)
+
+
 class KVPlan:
     """The pool the controller decided on, and how to make a fresh manager for it."""
 
     def __init__(self, config: EngineConfig, layout: KVCacheLayout,
-                 specs: list[KVCacheSpec], max_model_len: int) -> None:
+                 specs: list[KVCacheSpec], max_model_len: int,
+                 draft_block_bytes: int = 0) -> None:
         self.config = config
         self.layout = layout
         self.specs = specs
         self.max_model_len = max_model_len
+        self.draft_block_bytes = draft_block_bytes
+        """Bytes a block costs in the draft model's layers (0 without one), per rank."""
+
+    def pool_bytes(self) -> dict[str, int]:
+        """One rank's KV pool size (the draft model's layers included) and element width:
+        they follow ``kv_cache_dtype``."""
+        if not self.specs:
+            return {}
+        page = self.specs[0].page_size_bytes  # equal across groups, per layer
+        block = page * len(self.layout.groups[0]) + self.draft_block_bytes
+        return {"kv_cache_bytes": self.layout.num_blocks * block,
+                "kv_cache_element_bytes": self.specs[0].dtype_bytes}
 
     def new_manager(self) -> KVCacheManager:
         cache = self.config.cache
@@ -87,10 +144,13 @@ def plan_kv_cache(config: EngineConfig, report: WorkerReport, max_model_len: int
     # Per-rank page geometry: under decode context parallelism each rank holds B tokens of
     # every virtual block of B x dcp tokens, so bytes -> blocks is the same as without it.
     groups = kv_groups_from_report(report, cache.block_size)
+    # A draft model's layers index their own tensors with the target's block ids: every block
+    # costs their bytes as well, in both tiers.
+    draft_bytes = _draft_block_bytes(report, cache.block_size)
     if cache.num_gpu_blocks is not None:
         num_blocks = cache.num_gpu_blocks
     else:
-        num_blocks = num_blocks_from_bytes(report.available_kv_bytes, groups)
+        num_blocks = _num_blocks(report.available_kv_bytes, groups, draft_bytes)
     if num_blocks < 2:
         raise RuntimeError(
             f"no room for the KV cache: {report.available_kv_bytes} bytes give {num_blocks} "
@@ -100,7 +160,7 @@ def plan_kv_cache(config: EngineConfig, report: WorkerReport, max_model_len: int
     if cache.num_host_blocks is not None:
         num_host = cache.num_host_blocks
     elif cache.host_kv_cache_bytes:
-        num_host = num_blocks_from_bytes(cache.host_kv_cache_bytes, groups)
+        num_host = _num_blocks(cache.host_kv_cache_bytes, groups, draft_bytes)
         if num_host < 2:
             raise ConfigError(
                 "host_kv_cache_bytes",
@@ -112,5 +172,6 @@ def plan_kv_cache(config: EngineConfig, report: WorkerReport, max_model_len: int
         block_size=cache.block_size,
         groups=[[int(name) for name in g.layer_names] for g in groups],
         num_host_blocks=num_host,
+        draft_groups=draft_groups_from_report(report, groups),
     )
-    return KVPlan(config, layout, [g.spec for g in groups], max_model_len)
+    return KVPlan(config, layout, [g.spec for g in groups], max_model_len, draft_bytes)

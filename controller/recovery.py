@@ -11,12 +11,19 @@ nothing sent, and continues after the rebuild where it stopped. Its stream only 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
+from pagedserve.controller.errors import EngineDeadError, RequestFailedError
+from pagedserve.controller.outputs import RequestGroup, failed_delta
 from pagedserve.controller.request import Request, RequestStatus
 from pagedserve.controller.scheduler import Scheduler
+from pagedserve.messages import RequestDelta
 
-__all__ = ["count_failure", "drop_over_limit", "live_heads", "resume"]
+__all__ = ["count_failure", "drop_over_limit", "fail_all", "fail_over_limit", "live_heads",
+           "resume"]
+
+logger = logging.getLogger(__name__)
 
 
 def live_heads(sched: Scheduler) -> list[Request]:
@@ -46,6 +53,37 @@ def drop_over_limit(heads: list[Request], limit: int) -> dict[str, int]:
             for r in (h, *h.children):
                 r.finish(RequestStatus.FINISHED_ABORTED)
     return over
+
+
+def fail_over_limit(heads: list[Request], groups: dict[str, RequestGroup], limit: int,
+                    reason: str) -> list[RequestDelta]:
+    """Fail (and remove from ``groups``) the requests that have now run through more failures
+    than ``limit``: one that kills its workers whenever it runs would otherwise spend the whole
+    restart budget."""
+    deltas = []
+    for gid, n in drop_over_limit(heads, limit).items():
+        group = groups.pop(gid, None)
+        if group is None:
+            continue
+        logger.error("request %s failed: it ran through %d worker-group failures", gid, n)
+        deltas.append(failed_delta(
+            gid, [s.index for s in group.seqs if not s.emitted_final],
+            f"{reason}; the request ran through {n} worker-group failures "
+            f"(max_failures_per_request={limit})", RequestFailedError.__name__,
+        ))
+    return deltas
+
+
+def fail_all(groups: dict[str, RequestGroup], reason: str) -> list[RequestDelta]:
+    """The engine is dead: an ``EngineDeadError`` delta ending every request (``groups``
+    emptied)."""
+    deltas = [
+        failed_delta(g.request_id, [s.index for s in g.seqs if not s.emitted_final],
+                     reason, EngineDeadError.__name__)
+        for g in groups.values()
+    ]
+    groups.clear()
+    return deltas
 
 
 def resume(heads: Iterable[Request], sched: Scheduler) -> None:

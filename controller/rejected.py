@@ -10,12 +10,18 @@ computed again (preempted by recompute), which costs it a step and changes none 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 
+from pagedserve.controller.errors import RequestFailedError
+from pagedserve.controller.outputs import RequestGroup, failed_delta
+from pagedserve.controller.request import RequestStatus
 from pagedserve.controller.scheduler import Scheduler
-from pagedserve.messages import SchedulerOutput
+from pagedserve.messages import RequestDelta, SchedulerOutput
 
-__all__ = ["unwritten_blocks", "void_rejected"]
+__all__ = ["fail_rejected", "unwritten_blocks", "void_rejected"]
+
+logger = logging.getLogger(__name__)
 
 
 def _written(sched: Scheduler, so: SchedulerOutput, rid: str) -> set[int]:
@@ -66,3 +72,29 @@ def void_rejected(sched: Scheduler, so: SchedulerOutput, rejected: Collection[st
         req = sched.requests[rid]
         sched.running.remove(req)
         sched.preempt(req, recompute=True)
+
+
+def fail_rejected(
+    sched: Scheduler, groups: dict[str, RequestGroup], so: SchedulerOutput,
+    errors: dict[str, str],
+) -> list[RequestDelta]:
+    """Fail the groups (removed from ``groups``) of the requests the workers rejected, and
+    nothing else: their unwritten blocks leave the prefix cache and whoever read one this step
+    is computed again. Neither the worker group nor the restart budget is touched."""
+    failing = {
+        g.request_id: g for rid in errors
+        if (req := sched.requests.get(rid)) is not None
+        and (g := groups.get(req.group_id)) is not None
+    }
+    void_rejected(sched, so, {s for g in failing.values() for s in g.seq_ids()})
+    deltas = []
+    for gid, group in failing.items():
+        error = next(errors[s] for s in group.seq_ids() if s in errors)
+        logger.error("request %s failed on the workers: %s", gid, error)
+        sched.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
+        del groups[gid]
+        deltas.append(failed_delta(
+            gid, [s.index for s in group.seqs], f"the workers could not serve it: {error}",
+            RequestFailedError.__name__,
+        ))
+    return deltas

@@ -88,8 +88,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
         self.num_lookahead_tokens = num_lookahead_tokens
-        """Slots reserved past each scheduled chunk for drafts proposed after the step (a
-        drafter on the workers); 0 without one."""
+        """Slots past each chunk for a draft model's drafts (0: none); the engine sets it."""
         self.requests: dict[str, Request] = {}
         """Every live request, unforked children included."""
         self.waiting: deque[Request] = deque()
@@ -208,6 +207,7 @@ class Scheduler:
         output = build_output(
             self.kv, self._step_id, scheduled, num_scheduled, new_blocks, self._finished_ids
         )
+        output.num_lookahead_tokens = self.num_lookahead_tokens
         if output.total_num_scheduled_tokens:
             self._finished_ids = []
             output.block_table_trims, self._trims = self._trims, {}
@@ -274,8 +274,11 @@ class Scheduler:
     def _allocate_slots(
         self, req: Request, n: int, hit: int = 0, hit_blocks: KVCacheBlocks | None = None
     ) -> KVCacheBlocks | None:
-        """The KV manager's ``allocate_slots`` with this scheduler's lookahead slots."""
-        return self.kv.allocate_slots(req, n, hit, hit_blocks, self.num_lookahead_tokens)
+        """``kv.allocate_slots`` with lookahead slots, or without them rather than preempt."""
+        blocks = self.kv.allocate_slots(req, n, hit, hit_blocks, self.num_lookahead_tokens)
+        if blocks is None and self.num_lookahead_tokens:
+            blocks = self.kv.allocate_slots(req, n, hit, hit_blocks, 0)
+        return blocks
 
     def _swap_in(
         self, req: Request, budget: int, scheduled: list[Request], num_scheduled: dict[str, int]

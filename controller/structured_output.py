@@ -126,6 +126,10 @@ class GrammarGate:
                 template = fut.result()
                 for seq in seqs:
                     seq.grammar = SequenceGrammar(template.deep_copy())
+                    # A resumed sequence (``controller.resume``) has tokens already.
+                    if not all(map(seq.grammar.accept, seq.output_token_ids)):
+                        error = InvalidGrammarError("structured_outputs: the resumed tokens "
+                                                    "do not follow the grammar")
             ready.append((head, error))
         return ready
 

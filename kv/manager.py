@@ -176,21 +176,16 @@ class KVCacheManager:
         return tuple([b.block_id for b in m.req_to_blocks[request_id]] for m in self.managers)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write block copies ``(src_block_id, dst_block_id)`` since the last call.
-
-        Workers copy block src to dst in every layer's KV tensor before this step's forward
-        pass (another sharer may write into src in the same step).
-        """
+        """Copy-on-write block copies ``(src_block_id, dst_block_id)`` since the last call,
+        which workers run before the step's forward pass (another sharer may write src)."""
         alloc = self.allocator
         out, alloc.pending_copies = alloc.pending_copies, []
         return out
 
     def take_block_replacements(self) -> list[tuple[str, int, int, int]]:
-        """Copy-on-write table edits ``(request_id, group_id, block_index, new_block_id)``.
-
-        The one exception to append-only block tables: the writer of a shared block gets a
-        private copy at the same index. Taken together with :meth:`take_pending_copies`.
-        """
+        """Copy-on-write table edits ``(request_id, group_id, block_index, new_block_id)``:
+        the writer of a shared block gets a private copy at the same index (the one exception
+        to append-only tables besides :meth:`trim`). Taken with :meth:`take_pending_copies`."""
         alloc = self.allocator
         out, alloc.replacements = alloc.replacements, []
         return out
@@ -323,15 +318,13 @@ class KVCacheManager:
             del self._freed_ids[next(iter(self._freed_ids))]
 
     def trim(self, request: KVRequest) -> int | None:
-        """Give back the blocks past the request's tokens, which only rejected drafts' slots
-        filled (lookahead slots). Returns how many blocks per group it keeps, or None when it
-        had nothing to give back (the workers' tables need telling only in the first case)."""
+        """Give back the blocks past the request's tokens (slots only rejected drafts filled).
+        Returns the blocks per group it keeps, or None when none went back. ``reserve`` holds
+        max_model_len's blocks from admission by design, so it never trims."""
         rid = request.request_id
-        # ``reserve`` holds max_model_len's blocks from admission by design.
-        if self.policy == "reserve" or rid not in self.managers[0].req_to_blocks:
-            return None
         keep = -(-request.num_tokens // self.block_size)
-        if len(self.managers[0].req_to_blocks[rid]) <= keep:
+        held = self.managers[0].req_to_blocks.get(rid)
+        if self.policy == "reserve" or held is None or len(held) <= keep:
             return None
         for m in self.managers:
             m.trim(rid, keep)
@@ -394,12 +387,9 @@ class KVCacheManager:
 
     # -------------------------------------------------------------- inspection
     def block_fill_snapshot(self) -> np.ndarray:
-        """Tokens each block holds for running requests (int32, length num_blocks).
-
-        A block shared by several requests counts once. Free (even cached) blocks, lookahead
-        slots and the null block read 0. Counts are in manager (virtual) block tokens, i.e. up
-        to ``block_size``. O(blocks held) with one numpy scatter: cheap enough for every step.
-        """
+        """Tokens each block holds for running requests (int32, length num_blocks; a shared
+        block counts once; free blocks, lookahead slots and the null block read 0). O(blocks
+        held) with one numpy scatter: cheap enough for every step."""
         return block_fill_snapshot(self)
 
     def check_integrity(self) -> None:

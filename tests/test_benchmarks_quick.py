@@ -24,8 +24,9 @@ def test_controller_step_quick(tmp_path: Path) -> None:
 
 
 def test_chaos_quick(tmp_path: Path) -> None:
-    """A storm against the server with a worker killed mid-way: no drops, no leaks, the same
-    greedy text afterwards (the script exits 1 otherwise)."""
+    """A storm against the server while the worker is killed twice and the controller once:
+    no drops, no failed request, greedy witnesses across each kill equal to an uninterrupted
+    run, no leaks, the same greedy text afterwards (the script exits 1 otherwise)."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "reliability.md"
     cmd = [sys.executable, str(BENCHMARKS / "chaos.py"), "--quick", "--out", str(out)]
@@ -35,7 +36,9 @@ def test_chaos_quick(tmp_path: Path) -> None:
     assert "chaos: PASS" in proc.stdout
     report = out.read_text()
     assert "| drops (no complete answer, no typed error) | 0 |" in report
-    assert "| worker kills / recoveries | 1 / 1 |" in report
+    assert "| failed requests (no answer a well-run server gives) | 0 |" in report
+    assert "| kills / recoveries | 3 / 3 |" in report
+    assert report.count(" | 0 | equal (") == 3  # per fault: none failed, the witness equal
 
 
 def test_peers_quick(tmp_path: Path) -> None:

@@ -12,9 +12,16 @@ forward pass waits for them.
 
 ``dtype`` is the KV cache's own (``workers.kv_dtype``): the layers quantize to it on write and
 widen from it on read with their per-layer ``k_scale`` / ``v_scale`` (1.0 until calibrated).
+
+A draft model's attention layers (speculative decoding) get a tensor each, of their own shape
+but the same ``num_blocks`` and block size, and read the block table of the target group
+``layout.draft_groups`` names: the target's block ids index their KV too, so allocation, trims,
+copy-on-write and tier copies (which run over ``tensors``) carry it along.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -35,6 +42,7 @@ class KVPool:
         layers: list[PagedAttention],
         dtype: torch.dtype,
         device: torch.device,
+        draft_layers: Sequence[PagedAttention] = (),
     ) -> None:
         groups = layout.groups
         if not groups or any(len(g) != len(groups[0]) for g in groups):
@@ -42,9 +50,13 @@ class KVPool:
         covered = sorted(i for g in groups for i in g)
         if covered != list(range(len(layers))):
             raise ValueError(f"KV groups {groups} do not cover layers 0..{len(layers) - 1}")
+        if len(draft_layers) != len(layout.draft_groups):
+            raise ValueError(f"{len(draft_layers)} draft layers for draft groups "
+                             f"{layout.draft_groups}")
         self.layout = layout
         self.dtype = dtype
         self.layers = layers
+        self.draft_layers = list(draft_layers)
         self.tensors: list[torch.Tensor] = []
         self.host_tensors: list[torch.Tensor] = []
         for j in range(len(groups[0])):
@@ -52,28 +64,38 @@ class KVPool:
             if len(shapes) != 1:
                 raise ValueError(f"layers sharing KV tensor {j} differ in shape: {shapes}")
             ((hkv, d),) = shapes
-            shape = (layout.num_blocks, 2, layout.block_size, hkv, d)
-            # zeros, not empty: the null block and unwritten slots must never hold NaN.
-            self.tensors.append(torch.zeros(shape, dtype=dtype, device=device))
-            if layout.num_host_blocks:
-                host_shape = (layout.num_host_blocks, *shape[1:])
-                pin = device.type == "cuda"
-                self.host_tensors.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            self._allocate(hkv, d, device)
         for g, group in enumerate(groups):
             for j, layer_index in enumerate(group):
                 layers[layer_index].kv_cache = self.tensors[j]
                 layers[layer_index].kv_group = g
-        for layer in layers:  # a fresh pool holds nothing written with earlier scales
+        for layer, g in zip(self.draft_layers, layout.draft_groups, strict=True):
+            layer.kv_cache = self._allocate(layer.num_kv_heads, layer.head_dim, device)
+            layer.kv_group = g
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # A fresh pool holds nothing written with earlier scales.
+        for layer in (*layers, *self.draft_layers):
             layer.k_scale = layer.v_scale = 1.0
             layer.calibrate_kv_scales = False
+
+    def _allocate(self, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+        """One more device tensor ``[num_blocks, 2, B, H_kv, D]`` (and its host-tier twin)."""
+        layout = self.layout
+        shape = (layout.num_blocks, 2, layout.block_size, num_kv_heads, head_dim)
+        # zeros, not empty: the null block and unwritten slots must never hold NaN.
+        self.tensors.append(torch.zeros(shape, dtype=self.dtype, device=device))
+        if layout.num_host_blocks:
+            host_shape = (layout.num_host_blocks, *shape[1:])
+            pin = device.type == "cuda"
+            self.host_tensors.append(torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin))
+        return self.tensors[-1]
 
     def calibrate_kv_scales(self) -> bool:
         """Arm every layer to take its fp8 scales from the next tokens it writes (the first
         real prefill); False (nothing armed) for an unscaled cache dtype."""
         if not needs_scale(self.dtype):
             return False
-        for layer in self.layers:
+        for layer in (*self.layers, *self.draft_layers):
             layer.calibrate_kv_scales = True
         return True
 

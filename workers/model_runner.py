@@ -10,7 +10,9 @@ The runner owns the persistent ``InputBatch`` and block tables. Each step it:
    row's last one, and with ``k`` drafts the ``k`` before it too), samples, and keeps a row's
    samples up to the first that differs from its draft at that position;
 5. for requests that asked for prompt logprobs, projects the hidden states of the prompt
-   positions computed this step too, and reports each next prompt token's log-probability.
+   positions computed this step too, and reports each next prompt token's log-probability;
+6. with a draft model (``workers/draft_model.py``), runs it over the step's rows and returns
+   its guesses of each sampling row's next tokens, the next step's drafts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from pagedserve.kernels import NO_CP, CPLayout, copy_blocks
 from pagedserve.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
+from pagedserve.workers.draft_model import DraftModel
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
 from pagedserve.workers.sampler import (
@@ -46,8 +49,10 @@ class ModelRunner:
         device: torch.device,
         cp: CPLayout = NO_CP,
         eos_token_ids: tuple[int, ...] = (),
+        draft: DraftModel | None = None,
     ) -> None:
         self.eos_token_ids = eos_token_ids
+        self.draft = draft
         self.model = model
         self.batch = batch
         self.kv_pool = kv_pool
@@ -149,7 +154,10 @@ class ModelRunner:
         out.prompt_logprobs = self._prompt_logprobs(rows_np, start, counts, cu, hidden)
 
         sample_rows = rows_np[sample_mask]
+        tables = [md.block_table for md in groups]
         if len(sample_rows) == 0:
+            if self.draft is not None:  # its KV follows the target's: the prefill chunks' too
+                self.draft.step(batch, rows_np, start, counts, sample_mask, [], tables, 0)
             if self.device.type == "cuda":
                 # Nothing is read back this step, so wait here: the next step rewrites the
                 # pinned block-table buffers that this step's async copies read from.
@@ -167,7 +175,13 @@ class ModelRunner:
             grammar = self._allowed(so.token_masks, sample_rows, n_per_row, logits.shape[1])
             md.allowed = grammar if md.allowed is None else md.allowed & grammar
         result = self.sampler(logits, md)
-        return self._output(out, sample_rows, n_per_row, drafts, result)
+        out = self._output(out, sample_rows, n_per_row, drafts, result)
+        if self.draft is not None:
+            out.draft_token_ids = self.draft.step(
+                batch, rows_np, start, counts, sample_mask, out.sampled_token_ids, tables,
+                so.num_lookahead_tokens,
+            )
+        return out
 
     def _allowed(self, masks: dict[str, bytes], sample_rows: np.ndarray, n_per_row: np.ndarray,
                  vocab_size: int) -> torch.Tensor:

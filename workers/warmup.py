@@ -25,10 +25,11 @@ WARMUP_PROMPT_TOKENS = 32
 _FIRST_STEP_ID = -3
 
 # One greedy row and one seeded random row; the shared generator's state is restored after, so
-# unseeded sampling later draws what it would have drawn without the warm-up.
+# unseeded sampling later draws what it would have drawn without the warm-up. Room for more
+# tokens than the two steps make, so that a draft model drafts after them.
 _PARAMS = (
-    SamplingParams(max_tokens=2, temperature=0.0),
-    SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=8, seed=0),
+    SamplingParams(max_tokens=16, temperature=0.0),
+    SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=8, seed=0),
 )
 
 
@@ -55,9 +56,11 @@ def warm_up(runner: ModelRunner, num_groups: int, block_size: int, max_model_len
 def _steps(runner: ModelRunner, new: list[NewRequestData], prompt_len: int) -> None:
     ids = [r.req_id for r in new]
     step = _FIRST_STEP_ID
+    # A draft model drafts after both steps (into the null block, like the rest).
+    k = runner.draft.num_speculative_tokens if runner.draft is not None else 0
     out = runner.execute(SchedulerOutput(
         step, new_reqs=new, num_scheduled_tokens=dict.fromkeys(ids, prompt_len),
-        total_num_scheduled_tokens=prompt_len * len(ids),
+        total_num_scheduled_tokens=prompt_len * len(ids), num_lookahead_tokens=k,
     ))
     sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
     cached = CachedRequestData(
@@ -66,6 +69,6 @@ def _steps(runner: ModelRunner, new: list[NewRequestData], prompt_len: int) -> N
     )
     runner.execute(SchedulerOutput(
         step + 1, cached_reqs=cached, num_scheduled_tokens=dict.fromkeys(ids, 1),
-        total_num_scheduled_tokens=len(ids),
+        total_num_scheduled_tokens=len(ids), num_lookahead_tokens=k,
     ))
     runner.execute(SchedulerOutput(step + 2, finished_req_ids=ids))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import ConfigError, EngineConfig
 from pagedserve.kernels import CPLayout
 from pagedserve.messages import (
     KVCacheLayout,
@@ -41,11 +41,18 @@ from pagedserve.parallel.state import (
 )
 from pagedserve.workers.block_table import BlockTable, MultiGroupBlockTable
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
+from pagedserve.workers.draft_model import DraftModel
+from pagedserve.workers.errors import ModelLoadError
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_dtype import log_kv_cache_dtype, resolve_kv_cache_dtype
 from pagedserve.workers.kv_pool import KVPool
 from pagedserve.workers.layers.attention import PagedAttention
-from pagedserve.workers.loader import load_model, read_eos_token_ids, read_hf_config
+from pagedserve.workers.loader import (
+    load_model,
+    read_eos_token_ids,
+    read_hf_config,
+    read_model_arch,
+)
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.models.arch import ModelArch
 from pagedserve.workers.sampler import Sampler
@@ -76,6 +83,7 @@ class Worker:
         if distributed_init_method is not None or self._joined:
             self.init_distributed(init_method=distributed_init_method)
         self.model: nn.Module | None = None
+        self.draft_model: nn.Module | None = None  # speculative_config method draft_model
         self.arch: ModelArch | None = None
         self.dtype = torch.float32
         self.kv_dtype = torch.float32  # the KV cache's own (cache.kv_cache_dtype)
@@ -148,19 +156,54 @@ class Worker:
         self.kv_dtype = resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype)
         if self.rank == 0:
             log_kv_cache_dtype(self.kv_dtype, self.dtype, self.device)
+        if self.config.speculative.method == "draft_model":
+            self.draft_model = self._load_draft_model()
         # The block count follows the KV dtype: the controller divides the byte budget by it.
         dtype_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
-        specs = [
-            LayerKVSpec(layer.num_kv_heads, layer.head_dim, dtype_bytes, layer.sliding_window)
-            for layer in self._attention_layers()
-        ]
+
+        def specs(layers: list[PagedAttention]) -> list[LayerKVSpec]:
+            return [LayerKVSpec(layer.num_kv_heads, layer.head_dim, dtype_bytes,
+                                layer.sliding_window) for layer in layers]
+
         return WorkerReport(
-            layer_specs=specs,
+            layer_specs=specs(self._attention_layers()),
             available_kv_bytes=self._kv_budget(),
             vocab_size=self.arch.vocab_size,
             max_model_len=self.max_model_len,
             device=str(self.device),
+            draft_layer_specs=specs(self._draft_layers()),
         )
+
+    def _load_draft_model(self) -> nn.Module:
+        """The draft model of speculative decoding: loaded like the target (its dtype, this
+        rank's shard of it), after checking that it shares the target's vocabulary and covers
+        every position the target may serve."""
+        assert self.arch is not None
+        path = self.config.speculative.model or ""
+        field = "speculative_config.model"
+        try:
+            arch = read_model_arch(read_hf_config(path))
+        except ModelLoadError as exc:
+            raise ConfigError(field, f"cannot load the draft model: {exc}") from exc
+        if arch.vocab_size != self.arch.vocab_size:
+            raise ConfigError(field, f"the draft model {path} has a vocabulary of "
+                              f"{arch.vocab_size} tokens, the target {self.arch.vocab_size}: "
+                              "a draft must share the target's tokenizer")
+        if arch.max_position_embeddings < self.max_model_len:
+            raise ConfigError(field, f"the draft model {path} covers "
+                              f"{arch.max_position_embeddings} positions, fewer than "
+                              f"max_model_len={self.max_model_len}; lower max_model_len")
+        dtype = str(self.dtype).removeprefix("torch.")
+        try:
+            model, _, _ = load_model(path, dtype, self.device, self.parallel)
+        except (ModelLoadError, ValueError) as exc:  # a broken file, heads tp cannot split
+            raise ConfigError(field, f"cannot load the draft model: {exc}") from exc
+        return model
+
+    def _draft_layers(self) -> list[PagedAttention]:
+        if self.draft_model is None:
+            return []
+        return self.draft_model.attention_layers()  # type: ignore[operator,no-any-return]
 
     def _check_dcp(self, arch: ModelArch) -> None:
         """DCP shards tokens over ranks that would otherwise hold the same replicated KV heads."""
@@ -201,10 +244,10 @@ class Worker:
         bs = self.config.cache.block_size
         tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         nblocks = math.ceil(tokens / bs) + 1
-        layers = self._attention_layers()
+        layers, draft = self._attention_layers(), self._draft_layers()
         pool = KVPool(
-            KVCacheLayout(nblocks, bs, [list(range(len(layers)))]), layers, self.kv_dtype,
-            self.device,
+            KVCacheLayout(nblocks, bs, [list(range(len(layers)))], draft_groups=[0] * len(draft)),
+            layers, self.kv_dtype, self.device, draft,
         )
         dev = self.device
         md = AttentionMetadata(
@@ -219,7 +262,14 @@ class Worker:
                 torch.zeros(tokens, dtype=torch.long, device=dev), torch.arange(tokens, device=dev)
             )
             self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
-        for layer in layers:
+            if self.draft_model is not None:  # it runs after the target, over the same tokens
+                del hidden
+                hidden = self.draft_model(
+                    torch.zeros(tokens, dtype=torch.long, device=dev),
+                    torch.arange(tokens, device=dev),
+                )
+                self.draft_model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+        for layer in (*layers, *draft):
             layer.kv_cache = None
         del pool, hidden
 
@@ -237,7 +287,7 @@ class Worker:
         if cp.size > 1 and layout.block_size == self.config.cache.block_size * cp.size:
             layout = dataclasses.replace(layout, block_size=self.config.cache.block_size)
         layers = self._attention_layers()
-        pool = KVPool(layout, layers, self.kv_dtype, self.device)
+        pool = KVPool(layout, layers, self.kv_dtype, self.device, self._draft_layers())
         width = math.ceil(self.max_model_len / (layout.block_size * cp.size))
         max_reqs = self.config.scheduler.max_num_seqs
         tables = MultiGroupBlockTable(
@@ -248,6 +298,10 @@ class Worker:
         )
         batch = InputBatch(max_reqs, self.max_model_len, self.arch.vocab_size, tables, self.device)
         sampler = Sampler(self.device, self.config.model.seed)
+        draft = None
+        if self.draft_model is not None:
+            draft = DraftModel(self.draft_model, tables, layout.draft_groups[0],
+                               self.config.speculative.num_speculative_tokens, self.device, cp)
         self.runner = ModelRunner(
             self.model,
             batch,
@@ -256,6 +310,7 @@ class Worker:
             self.device,
             cp,
             self.eos_token_ids,
+            draft,
         )
         warm_up(self.runner, len(layout.groups), layout.block_size * cp.size, self.max_model_len)
         # After the warm-up, whose dummy tokens must not set the scales: the first real
@@ -290,10 +345,10 @@ class Worker:
 
     def shutdown(self) -> None:
         if self.runner is not None:
-            for layer in self._attention_layers():
+            for layer in (*self._attention_layers(), *self._draft_layers()):
                 layer.kv_cache = None
         self.runner = None
-        self.model = None
+        self.model = self.draft_model = None
         destroy_parallel_state(self.parallel)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

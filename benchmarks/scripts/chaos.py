@@ -1,24 +1,31 @@
-"""Chaos against the HTTP server: a storm of misbehaving clients and a worker killed mid-storm,
-then hostile clients beside well-behaved ones.
+"""Chaos against the HTTP server: a storm of misbehaving clients while the worker is killed
+twice and the controller once, then hostile clients beside well-behaved ones.
 
 The server is the one ``pagedserve serve`` runs (``serving.openai.server.build_app`` over an engine
 on Ray: controller actor, worker actor, the demo checkpoint), served by uvicorn in this process
-on 127.0.0.1 so that the script can reach the worker actor to kill it. The KV pool is small,
-and the report counts the preemptions it causes. The storm mixes streaming and plain clients,
+on 127.0.0.1 so that the script can reach the actors to kill them. The KV pool is small, and
+the report counts the preemptions it causes. The storm mixes streaming and plain clients,
 clients that disconnect mid-stream or time out (aborts), invalid parameters, prompts at the
-edge of ``max_model_len``, ``n > 1``, shared prefixes and a share of the hostile clients of issue 27
-(``chaos_hostile``: ints past int64, lone surrogates, a 3 MB prompt, logprob bombs, thousands
-of stop strings, clients that never read their stream or hang up); one worker actor is killed
-part-way through.
+edge of ``max_model_len``, ``n > 1``, shared prefixes and a share of the hostile clients of
+issue 27 (``chaos_hostile``: ints past int64, lone surrogates, a 3 MB prompt, logprob bombs,
+thousands of stop strings, clients that never read their stream or hang up). Part-way through,
+three faults strike one after the other, each once the server serves again after the one
+before: the worker actor is killed, then the controller actor, then the (new) worker actor.
+A worker's death is survived by its controller, which rebuilds the worker group; a
+controller's by the front end, which starts a new one and moves its requests there.
 
-Afterwards every client must have a complete answer, a typed error (an OpenAI error body, or
-an SSE error event), or be one that left on purpose; ``/metrics`` must show 0 running, 0
-waiting and 0 KV blocks in use, with the KV manager's invariants holding; and a greedy request
-must give the same text as before the storm. The time from the kill to serving again is
-measured. Then the same well-behaved storm runs twice, alone and beside hostile clients: every
-well-behaved request must complete, and their P99 latency beside the hostile ones must stay
-within ``--max-ratio`` (2x) of it alone (``--quick`` reports that ratio without bounding it:
-a timing on a shared CI machine is not a pass condition). Exit status 1 when any of that
+Afterwards every client must have what a well-run server gives it: a complete answer (every
+well-behaved request, faults or not: a fault costs latency only), a typed error (an OpenAI
+error body, or an SSE error event, for invalid requests), or be one that left on purpose. A
+failed request (a well-behaved one without its complete answer, or any broken answer) is
+counted against the fault whose outage it overlapped. A greedy witness stream runs across
+each fault and must give the text of an uninterrupted run; ``/metrics`` must show 0 running,
+0 waiting and 0 KV blocks in use, with the KV manager's invariants holding; and a greedy
+request must give the same text as before the storm. The time from each kill to serving again
+is measured. Then the same well-behaved storm runs twice, alone and beside hostile clients:
+every well-behaved request must complete, and their P99 latency beside the hostile ones must
+stay within ``--max-ratio`` (2x) of it alone (``--quick`` reports that ratio without bounding
+it: a timing on a shared CI machine is not a pass condition). Exit status 1 when any of that
 fails.
 
     python benchmarks/scripts/chaos.py --out docs/results/reliability.md  # 400 + 2 x (2 x 200)
@@ -60,6 +67,10 @@ from results_section import write_section  # noqa: E402
 
 MAX_MODEL_LEN = 256
 GREEDY_PROBE = {"prompt": "Hello, my name is", "max_tokens": 12, "temperature": 0.0}
+FAULTS = ("worker", "controller", "worker")  # the storm's kills, in order
+# Streams across a fault: long enough that the kill lands while it runs.
+WITNESS = {"prompt": "A witness streams across the fault:", "max_tokens": 160,
+           "temperature": 0.0, "ignore_eos": True, "stream": True}
 
 
 def _is_error_body(body: Any) -> bool:
@@ -94,10 +105,27 @@ def _plan(rng: random.Random, i: int, kinds: tuple[str, ...] = STORM_KINDS,
     return {"kind": kind, "body": body, "leave_after": rng.randint(1, 5)}
 
 
+def _acceptable(plan: dict[str, Any], outcome: str, expected: str | None) -> bool:
+    """What a well-run server gives this client, whatever fault strikes meanwhile."""
+    if outcome.startswith("drop"):
+        return False
+    if plan.get("hostile"):  # a client that hung up may have had its answer first
+        return outcome == expected or (outcome == "complete" and expected == "left")
+    kind = plan["kind"]
+    if kind in WELL_BEHAVED:
+        return outcome == "complete"
+    if kind == "bad":
+        return outcome == "typed-error"
+    if kind in ("disconnect", "timeout"):  # valid requests whose clients leave
+        return outcome in ("left", "complete")
+    return True  # "edge": fits, or a typed 400
+
+
 async def _client(http: httpx.AsyncClient, plan: dict[str, Any]) -> str:
     """Run one client; returns its outcome: complete, typed-error, left or drop:<why>."""
     if plan.get("hostile"):
-        return (await chaos_hostile.run(http, plan))[0]
+        outcome, plan["expected"] = await chaos_hostile.run(http, plan)
+        return outcome
     body, kind = plan["body"], plan["kind"]
     try:
         if kind == "timeout":  # gives up before the answer: the server must abort it
@@ -140,39 +168,93 @@ async def _client(http: httpx.AsyncClient, plan: dict[str, Any]) -> str:
         return f"drop:{type(exc).__name__}"
 
 
+async def _witness(http: httpx.AsyncClient, started: asyncio.Event) -> tuple[str, int, bool]:
+    """Stream ``WITNESS``, setting ``started`` at its first text: (its text, the number of
+    chunks, whether it ended as a complete stream: every completion finished, then [DONE])."""
+    text, chunks, finished = "", 0, False
+    async with http.stream("POST", "/v1/completions", json=WITNESS) as resp:
+        if resp.status_code != 200:
+            return "", 0, False
+        async for line in resp.aiter_lines():
+            if line == "data: [DONE]":
+                return text, chunks, finished
+            if not line.startswith("data: "):
+                continue
+            chunk = json.loads(line[6:])
+            if _is_error_body(chunk):
+                return text, chunks, False
+            choice = chunk["choices"][0]
+            text += choice.get("text") or ""
+            finished = finished or bool(choice.get("finish_reason"))
+            chunks += 1
+            started.set()
+    return text, chunks, False
+
+
 async def _storm(url: str, plans: list[dict[str, Any]], concurrency: int,
-                 kill_at: int, kill: Any) -> tuple[Counter[str], float | None]:
+                 faults: list[tuple[str, int]], kill: Any, probe_text: str,
+                 witness_text: str) -> tuple[Counter[str], list[dict[str, Any]], int]:
+    """The clients of ``plans``, ``concurrency`` at a time, while ``faults`` strike: each
+    ``(kind, n)`` once ``n`` clients are done and the one before is over (the server serves
+    again), with a witness stream across it. The outcomes; per fault the time to serve
+    again, the witness, and the clients whose run overlapped its outage and of them the
+    failed ones; and the failed clients in all."""
     outcomes: Counter[str] = Counter()
+    runs: list[tuple[float, float, bool]] = []  # (start, end, acceptable) per client
+    report: list[dict[str, Any]] = []
     sem = asyncio.Semaphore(concurrency)
-    recovered_s: float | None = None
     done = 0
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         async def one(plan: dict[str, Any]) -> None:
             nonlocal done
             async with sem:
-                outcomes[await _client(http, plan)] += 1
+                t0 = time.monotonic()
+                outcome = await _client(http, plan)
+                outcomes[outcome] += 1
+                runs.append((t0, time.monotonic(), _acceptable(plan, outcome,
+                                                               plan.get("expected"))))
                 done += 1
 
-        async def killer() -> None:
-            nonlocal recovered_s
-            while done < kill_at:
-                await asyncio.sleep(0.05)
+        async def strike(kind: str) -> dict[str, Any]:
+            started = asyncio.Event()
+            # Awaited at the end, so that the next fault does not wait for it.
+            witnesses.append(asyncio.create_task(_witness(http, started)))
+            await asyncio.wait_for(started.wait(), 60)
             t_kill = time.monotonic()
-            await asyncio.to_thread(kill)
-            deadline = t_kill + 180
-            while time.monotonic() < deadline:  # serving again: a probe completes
+            await asyncio.to_thread(kill, kind)
+            fault: dict[str, Any] = {"kind": kind, "t": t_kill, "recovered_s": None,
+                                     "same_text": False}
+            while time.monotonic() < t_kill + 180:  # serving again: a probe completes
                 try:
-                    resp = await http.post("/v1/completions", json=GREEDY_PROBE, timeout=30)
+                    resp = await http.post("/v1/completions", json=GREEDY_PROBE, timeout=60)
                     if resp.status_code == 200:
-                        recovered_s = time.monotonic() - t_kill
-                        return
+                        fault["recovered_s"] = time.monotonic() - t_kill
+                        fault["same_text"] = resp.json()["choices"][0]["text"] == probe_text
+                        break
                 except httpx.TransportError:
                     pass
                 await asyncio.sleep(0.2)
+            return fault
 
-        await asyncio.gather(killer(), *(one(p) for p in plans))
-    return outcomes, recovered_s
+        async def faulter() -> None:
+            for kind, at in faults:
+                while done < at:
+                    await asyncio.sleep(0.05)
+                report.append(await strike(kind))
+            for fault, witness in zip(report, witnesses, strict=True):
+                text, chunks, complete = await witness
+                fault["witness_equal"] = complete and text == witness_text
+                fault["witness_chunks"] = chunks
+
+        witnesses: list[asyncio.Task[tuple[str, int, bool]]] = []
+        await asyncio.gather(faulter(), *(one(p) for p in plans))
+    for fault in report:  # a failure counts against the outage it overlapped
+        start = fault.pop("t")
+        end = start + (fault["recovered_s"] or math.inf)
+        fault["in_flight"] = sum(t0 <= end and t1 >= start for t0, t1, _ in runs)
+        fault["failed"] = sum(t0 <= end and t1 >= start and not ok for t0, t1, ok in runs)
+    return outcomes, report, sum(not ok for _, _, ok in runs)
 
 
 async def _beside(url: str, good: list[dict[str, Any]], concurrency: int, hostile_clients: int,
@@ -297,15 +379,25 @@ def main() -> int:
     try:
         with httpx.Client(base_url=url, timeout=120) as http:
             before = http.post("/v1/completions", json=GREEDY_PROBE).json()["choices"][0]["text"]
+            witness = http.post("/v1/completions", json={**WITNESS, "stream": False}).json()
 
-        def kill() -> None:
-            (worker,) = ray.get(client.actor.worker_actors.remote(), timeout=30)
+        def kill(kind: str) -> None:
+            (replica,) = client.replicas
+            if kind == "controller":
+                ray.kill(replica.actor, no_restart=True)
+                return
+            (worker,) = ray.get(replica.actor.worker_actors.remote(), timeout=30)
             ray.kill(worker, no_restart=True)
 
         plans = [_plan(rng, i, hostile_share=args.hostile_share) for i in range(args.clients)]
+        # Within the storm's first half: each outage stalls it, and the next fault finds
+        # clients in flight.
+        faults = [(kind, args.clients * (i + 1) // (2 * len(FAULTS)))
+                  for i, kind in enumerate(FAULTS)]
         t_storm = time.monotonic()
-        outcomes, recovered_s = asyncio.run(
-            _storm(url, plans, args.concurrency, args.clients // 3, kill))
+        outcomes, struck, failed = asyncio.run(_storm(
+            url, plans, args.concurrency, faults, kill, before,
+            witness["choices"][0]["text"]))
         storm_s = time.monotonic() - t_storm
         with httpx.Client(base_url=url, timeout=120) as http:
             idle = wait_idle(http, fresh_check=True)
@@ -318,9 +410,12 @@ def main() -> int:
         drops = {k: v for k, v in outcomes.items() if k.startswith("drop")}
         report = {
             "clients": args.clients, "num_gpu_blocks": args.num_gpu_blocks,
-            "storm_s": storm_s, "outcomes": dict(outcomes),
-            "drops": sum(drops.values()), "kills": 1, "recovered": recovered_s is not None,
-            "kill_to_serving_s": recovered_s, "preemptions": idle.get("num_preemptions_total", 0),
+            "storm_s": storm_s, "outcomes": dict(outcomes), "drops": sum(drops.values()),
+            "failed": failed, "faults": struck,
+            "recovered": len(struck) == len(FAULTS) and all(
+                f["recovered_s"] is not None and f["same_text"] for f in struck),
+            "witnesses_equal": all(f["witness_equal"] for f in struck),
+            "preemptions": idle.get("num_preemptions_total", 0),
             "blocks_leaked": idle.get("kv_cache_blocks_used"),
             "running": idle.get("num_requests_running"),
             "waiting": idle.get("num_requests_waiting"),
@@ -332,7 +427,8 @@ def main() -> int:
         server.should_exit = True
         thread.join(timeout=15)
         client.shutdown()
-    ok = (report["drops"] == 0 and report["recovered"] and report["blocks_leaked"] == 0
+    ok = (report["drops"] == 0 and report["failed"] == 0 and report["recovered"]
+          and report["witnesses_equal"] and report["blocks_leaked"] == 0
           and report["running"] == 0 and report["waiting"] == 0
           and report["kv_integrity_ok"] == 1 and report["same_text_after"])
     c = report["compare"]
@@ -347,6 +443,12 @@ def main() -> int:
 
 
 def _write(path: Path, r: dict[str, Any], argv: str, args: argparse.Namespace) -> None:
+    def fault_row(f: dict[str, Any]) -> str:
+        back = "never" if f["recovered_s"] is None else f"{f['recovered_s']:.1f} s"
+        return (f"| {f['kind']} actor | {back} | {f['in_flight']} | {f['failed']} | "
+                f"{'equal' if f['witness_equal'] else 'DIFFERENT'} ({f['witness_chunks']} "
+                "chunks) |")
+
     lines = [
         "## A chaos storm against the HTTP server", "",
         f"Command: `python benchmarks/scripts/chaos.py {argv}`", "",
@@ -356,24 +458,30 @@ def _write(path: Path, r: dict[str, Any], argv: str, args: argparse.Namespace) -
         "streaming and plain, clients leaving mid-stream or timing out, invalid parameters,",
         "prompts at the edge of the context, `n > 1`, shared prefixes, and "
         f"{r['hostile_in_storm']} hostile",
-        "clients (`benchmarks/scripts/chaos_hostile.py`); its worker actor is killed a third of",
-        "the way through.", "",
+        "clients (`benchmarks/scripts/chaos_hostile.py`). Part-way through, the worker actor is",
+        "killed, then the controller actor, then the new worker actor, each once the server",
+        "serves again after the one before; a greedy witness stream runs across each kill.", "",
         "| measure | value |", "|---|---|",
         f"| clients | {r['clients']} (storm {r['storm_s']:.1f} s) |",
         *(f"| outcome `{k}` | {v} |" for k, v in sorted(r["outcomes"].items())),
         f"| drops (no complete answer, no typed error) | {r['drops']} |",
-        f"| worker kills / recoveries | {r['kills']} / {int(r['recovered'])} |",
-        f"| kill to serving again | {r['kill_to_serving_s']:.1f} s |"
-        if r["kill_to_serving_s"] is not None else "| kill to serving again | never |",
-        f"| preemptions (since the rebuild) | {r['preemptions']:.0f} |",
+        f"| failed requests (no answer a well-run server gives) | {r['failed']} |",
+        f"| kills / recoveries | {len(r['faults'])} / "
+        f"{sum(f['recovered_s'] is not None for f in r['faults'])} |",
+        f"| preemptions (since the last rebuild) | {r['preemptions']:.0f} |",
         f"| after the storm: running / waiting / KV blocks in use | {r['running']:.0f} / "
         f"{r['waiting']:.0f} / {r['blocks_leaked']:.0f} |",
         "| KV manager invariants when idle | "
         f"{'hold' if r['kv_integrity_ok'] == 1 else 'BROKEN'} |",
         f"| greedy text after = before | {r['same_text_after']} |", "",
+        "| fault | kill to serving again | requests across the outage | failed | greedy "
+        "witness vs an uninterrupted run |", "|---|---|---|---|---|",
+        *(fault_row(f) for f in r["faults"]), "",
         "`left` counts the clients that hung up on purpose (their requests are aborted);",
-        "`typed-error` counts OpenAI error bodies (400 for bad parameters or too long prompts,",
-        "503 for requests the dead worker failed) and SSE error events.",
+        "`typed-error` counts OpenAI error bodies (400 for bad parameters or too long prompts)",
+        "and SSE error events. A fault costs the requests in flight latency only: a worker's",
+        "death pauses them while the controller rebuilds its worker group, a controller's while",
+        "the front end starts a new one and resubmits them with their tokens so far.",
         *chaos_hostile.report_lines(r["compare"], args.concurrency, args.hostile,
                                     args.rounds, args.max_ratio),
     ]

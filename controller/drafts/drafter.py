@@ -6,13 +6,18 @@ is decoding (its next step computes just its last token); the scheduler counts t
 token budget and the workers verify them. It stands back while ``disable_by_batch_size`` or
 more requests run: a full batch already keeps the machine busy. After the step it counts what
 was proposed and accepted, per position, in vLLM's terms.
+
+A draft model's drafts come from the workers (``drafts.model``): the drafter hands the step's
+output to that proposer, and tells the scheduler to reserve lookahead slots, where the workers
+write the draft model's KV while they draft, only in steps that speculate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pagedserve.config import SpeculativeConfig
+from pagedserve.controller.drafts.model import ModelDrafts
 from pagedserve.controller.drafts.ngram import NgramProposer
 from pagedserve.controller.drafts.proposer import Proposer
 from pagedserve.controller.drafts.suffix import SuffixProposer
@@ -32,6 +37,8 @@ def make_proposer(spec: SpeculativeConfig) -> Proposer:
             max_spec_factor=spec.suffix_decoding_max_spec_factor,
             min_token_prob=spec.suffix_decoding_min_token_prob,
         )
+    if spec.method == "draft_model":
+        return ModelDrafts()
     raise ValueError(f"no proposer for speculative method {spec.method!r}")
 
 
@@ -46,6 +53,9 @@ class Drafter:
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.max_model_len = max_model_len
+        self.lookahead = num_speculative_tokens if isinstance(proposer, ModelDrafts) else 0
+        """Slots past each request's tokens for the workers' draft model to write its KV in
+        while it drafts (0: drafts come from the controller)."""
         self._live: set[str] = set()
         self.num_drafts = 0
         """Request-steps that verified at least one draft."""
@@ -54,11 +64,14 @@ class Drafter:
         self.accepted_per_pos = [0] * num_speculative_tokens
         """Drafts accepted at position ``i`` of their run (0 = the first draft)."""
 
-    def propose(self, running: Sequence[Request]) -> None:
-        """Set ``draft_token_ids`` on the running requests for the next step."""
+    def propose(self, running: Sequence[Request]) -> int:
+        """Set ``draft_token_ids`` on the running requests for the next step. Returns the
+        lookahead slots the scheduler reserves this step: 0 while speculation stands back, so
+        that the workers' draft model drafts nothing then."""
         off = self.disable_by_batch_size is not None and len(running) >= self.disable_by_batch_size
         for req in running:
             req.draft_token_ids = [] if off else self._drafts(req)
+        return 0 if off else self.lookahead
 
     def _drafts(self, req: Request) -> list[int]:
         # Decoding only: a prefill chunk (or a fork parent) samples nothing to verify against.
@@ -77,9 +90,19 @@ class Drafter:
             req.request_id, req.all_token_ids, req.num_prompt_tokens, room
         )[:room]
 
-    def record(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+    def record(
+        self, so: SchedulerOutput, out: ModelRunnerOutput,
+        requests: Mapping[str, Request] | None = None,
+    ) -> None:
         """Count the step's drafts and how many of each request's were accepted (its tokens
-        but the last, which the model sampled itself)."""
+        but the last, which the model sampled itself). ``requests``: the live requests, with
+        this step's tokens appended, for the drafts the workers' draft model made."""
+        if out.draft_token_ids and requests is not None and isinstance(self.proposer, ModelDrafts):
+            for rid, drafts in out.draft_token_ids.items():
+                req = requests.get(rid)
+                if req is not None and not req.is_finished:
+                    self.proposer.receive(rid, req.num_tokens, drafts)
+                    self._live.add(rid)
         if not so.draft_token_ids:
             return
         tokens = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))

@@ -1,8 +1,9 @@
 """What a draft proposer is: given a request's tokens so far, guess the next few.
 
 Proposers run on the controller between steps, on token ids only (no torch): prompt lookup
-(``drafts.ngram``) and suffix trees (``drafts.suffix``). The workers verify whatever they
-propose, so a proposer can only cost speed, never change the output.
+(``drafts.ngram``) and suffix trees (``drafts.suffix``); a draft model's proposer
+(``drafts.model``) hands on what the workers' draft model guessed. The workers verify whatever
+they propose, so a proposer can only cost speed, never change the output.
 """
 
 from __future__ import annotations

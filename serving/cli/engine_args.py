@@ -62,7 +62,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
                      help="with a host tier, do not keep evicted prefix blocks there")
     eng.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                      help='speculative decoding, as vLLM spells it: e.g. \'{"method": "ngram", '
-                          '"num_speculative_tokens": 5}\' or {"method": "suffix"}')
+                          '"num_speculative_tokens": 5}\', {"method": "suffix"} or '
+                          '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}')
     eng.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     eng.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size")
     eng.add_argument("--dp", type=int, default=1, help="data-parallel replicas (behind a router)")

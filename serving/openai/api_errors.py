@@ -47,6 +47,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -54,6 +55,8 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
+        """Sent as ``Retry-After`` (a 503 the client may retry)."""
 
     def body(self) -> dict[str, Any]:
         return {
@@ -88,8 +91,16 @@ class InternalError(APIError):
                      exc_info=sys.exc_info()[0] is not None)
 
 
+# A 503 says when to come back: the engine is gone (every replica's controller lost past its
+# restarts) until whoever runs the server restarts it, so not at once; a full engine drains
+# within seconds.
+UNAVAILABLE_RETRY_AFTER_S = 10
+OVERLOADED_RETRY_AFTER_S = 1
+
+
 def engine_unavailable(reason: str = "the engine is not running") -> APIError:
-    return APIError(503, reason, type="service_unavailable_error", code="engine_unavailable")
+    return APIError(503, reason, type="service_unavailable_error", code="engine_unavailable",
+                    retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
 
 
 def validation_error(errors: Sequence[Any]) -> APIError:
@@ -118,7 +129,8 @@ def submit_error(exc: BaseException, prompt_param: str) -> APIError:
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(f"the engine is not running: {exc}")
     if isinstance(exc, EngineOverloadedError):
-        return APIError(503, str(exc), type="service_unavailable_error", code="engine_overloaded")
+        return APIError(503, str(exc), type="service_unavailable_error", code="engine_overloaded",
+                        retry_after_s=OVERLOADED_RETRY_AFTER_S)
     if isinstance(exc, RequestError):
         param: str | None = None
         if isinstance(exc, (EmptyPromptError, InvalidTokenError, PromptTooLongError)):

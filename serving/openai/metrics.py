@@ -78,6 +78,10 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("num_steps", "engine_steps", "Engine steps run.", "counter"),
     ("num_worker_restarts", "worker_group_restarts",
      "Worker groups rebuilt after a failure (their requests resumed).", "counter"),
+    ("num_controller_restarts", "controller_restarts",
+     "Controllers started after one was lost (Ray backend).", "counter"),
+    ("num_requests_moved", "requests_moved",
+     "Requests moved off a lost controller and resumed elsewhere (Ray backend).", "counter"),
     ("time_grammar_mask_s", "grammar_mask_seconds",
      "Time the controller spent computing structured-output token masks.", "counter"),
     ("num_grammar_mask_steps", "grammar_mask_steps",
@@ -94,6 +98,11 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("kv_integrity_checks", "kv_cache_integrity_checks",
      "KV-manager integrity checks run (one per idle spell of the engine).", "counter"),
 )
+
+
+# Counted by the Ray front end (``cluster.router``); an in-process engine has no controller
+# to lose, so they read 0 there rather than being absent.
+_FRONT_END_COUNTERS = frozenset({"num_controller_restarts", "num_requests_moved"})
 
 
 class _EngineCollector(Collector):
@@ -115,7 +124,7 @@ class _EngineCollector(Collector):
             healthy.add_metric([], 0.0)
         yield healthy
         for key, name, doc, kind in _ENGINE_METRICS:
-            value = stats.get(key)
+            value = stats.get(key, 0 if key in _FRONT_END_COUNTERS else None)
             if value is None:
                 continue
             family: Metric

@@ -126,7 +126,8 @@ def _renamed(exc: APIError) -> APIError:
     message = _FIELD_WORDS.sub(lambda m: _WORDS[m.group(1)], exc.message)
     if (param, message) == (exc.param, exc.message):
         return exc
-    return APIError(exc.status, message, type=exc.type, param=param, code=exc.code)
+    return APIError(exc.status, message, type=exc.type, param=param, code=exc.code,
+                    retry_after_s=exc.retry_after_s)
 
 
 async def prepare_responses(ctx: ServerContext, body: ResponsesRequest) -> ResponsesEndpoint:

@@ -102,7 +102,8 @@ _READ_LIMIT_CODES = {408: "timeout", 413: "request_too_large"}
 
 
 def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 _ANSWERS: dict[int | str, dict[str, Any]] = {

@@ -49,7 +49,7 @@ def gate(byte_tokenizer):
 
 
 def _held(gate: GrammarGate, spec: Constraint, n: int = 1) -> list[SimpleNamespace]:
-    seqs = [SimpleNamespace(group_id="g", grammar=None) for _ in range(n)]
+    seqs = [SimpleNamespace(group_id="g", grammar=None, output_token_ids=[]) for _ in range(n)]
     gate.hold(seqs[0], seqs, grammar_text(spec))
     deadline = time.monotonic() + 60
     while gate.num_held and time.monotonic() < deadline:

@@ -19,7 +19,9 @@ class FakeReplica:
     model_name = "m"
     max_model_len = 64
     vocab_size = 100
+    block_size = B
     tokenizer = None
+    error = None
 
     def __init__(self) -> None:
         self.sinks: dict[str, Any] = {}
