@@ -40,8 +40,8 @@ METHODS = {
 }
 # Standard-library functions of a few dozen lines each: code a user pastes and asks about.
 SOURCES = ("textwrap.dedent", "json.decoder.py_scanstring", "shlex.split", "fnmatch.translate",
-           "posixpath.normpath", "base64.b64decode", "string.capwords", "heapq.merge",
-           "bisect.insort_right", "calendar.monthrange", "colorsys.rgb_to_hls",
+           "urllib.parse.urljoin", "base64.b64decode", "string.capwords", "heapq.merge",
+           "difflib.get_close_matches", "calendar.monthrange", "colorsys.rgb_to_hls",
            "ipaddress.ip_address")
 TASKS = (
     "Repeat the following code exactly, with no comment before or after it:\n\n{code}",
