@@ -87,9 +87,11 @@ class StructuredOutputsParams:
     spells it: exactly one of a JSON Schema (``json``; a dict is kept as its JSON text),
     any JSON object (``json_object``), a regular expression, a choice among strings, or a
     grammar (Lark, or GBNF as llama.cpp writes it). The controller compiles it and masks every
-    sampled position to the tokens that keep the output inside it. JSON may carry any
-    whitespace between its tokens, as in vLLM; ``disable_any_whitespace`` allows only
-    ``", "`` and ``": "`` (what a small or sampled model needs to end its object in time)."""
+    sampled position to the tokens that keep the output inside it. JSON may carry
+    whitespace between its tokens, as in vLLM, one space or a line break and an indent at a
+    time (bounded, as llama.cpp bounds it, so that a sampled model cannot pad forever:
+    ``controller/json_grammar.py``); ``disable_any_whitespace`` allows only ``", "`` and
+    ``": "``."""
 
     json: str | None = None
     regex: str | None = None

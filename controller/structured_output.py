@@ -20,6 +20,7 @@ from typing import Any
 
 from pagedserve.controller.errors import InvalidGrammarError
 from pagedserve.controller.grammar_matcher import SequenceGrammar
+from pagedserve.controller.json_grammar import json_schema_grammar
 from pagedserve.controller.request import Request
 from pagedserve.controller.tokenizer import Tokenizer
 from pagedserve.messages import SchedulerOutput, StructuredOutputsParams
@@ -38,10 +39,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     try:
         if kind in _JSON_KINDS:
             schema = spec.json if kind == "json" else '{"type": "object"}'
-            options: dict[str, object] = {"whitespace_flexible": not spec.disable_any_whitespace}
-            if spec.disable_any_whitespace:
-                options |= {"item_separator": ", ", "key_separator": ": "}
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            grammar = json_schema_grammar(schema, compact=spec.disable_any_whitespace)
         elif kind == "choice":
             grammar = llguidance.grammar_from("choice", json.dumps(spec.choice))
         else:

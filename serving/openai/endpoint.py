@@ -126,6 +126,11 @@ class Endpoint:
             out.append(shown)
         return out
 
+    def chat_logprobs(self, entries: list[dict[int, float]]) -> list[dict[str, Any]]:
+        """A chat answer's ``logprobs.content`` for the engine's ``entries`` (the shape the
+        Responses API gives an ``output_text`` too)."""
+        return self._logprobs(entries, 0)["content"]
+
     def _text(self, token_id: int) -> str:
         if self.token_ids_as_text:
             return f"token_id:{token_id}"

@@ -31,8 +31,14 @@ from pagedserve.serving.openai.protocol import (
     ToolCall,
     ToolChoiceFunction,
 )
-from pagedserve.serving.openai.responses_output import ResponseEvents, ResponseShape, usage
+from pagedserve.serving.openai.responses_output import (
+    ResponseEvents,
+    ResponseShape,
+    TextLogprobs,
+    usage,
+)
 from pagedserve.serving.openai.responses_protocol import (
+    OUTPUT_TEXT_LOGPROBS,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
@@ -48,6 +54,7 @@ __all__ = ["ResponsesEndpoint", "chat_request", "prepare_responses"]
 
 # The chat fields an error of the chat path may name, by the Responses field they came from.
 _FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+           "logprobs": "include",
            "response_format": "text.format", "response_format.json_schema": "text.format"}
 # In messages too; a schema the grammar compiler refuses is named as the engine sees it.
 _WORDS = {**_FIELDS, "structured_outputs.json": "text.format.schema"}
@@ -77,8 +84,11 @@ def chat_request(body: ResponsesRequest, request_id: str) -> ChatCompletionReque
         tools = [ChatTool(type="function", function=FunctionDefinition(
             name=t.name, description=t.description, parameters=t.parameters, strict=t.strict))
             for t in body.tools]
+    # As OpenAI: top_logprobs shows only in the logprobs that include asks for.
+    logprobs = OUTPUT_TEXT_LOGPROBS in (body.include or ())
     return ChatCompletionRequest(
         model=body.model, messages=_messages(body), max_completion_tokens=body.max_output_tokens,
+        logprobs=logprobs, top_logprobs=body.top_logprobs if logprobs else None,
         temperature=body.temperature, top_p=body.top_p, stream=body.stream, tools=tools,
         tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
         response_format=response_format, structured_outputs=structured, user=body.user,
@@ -157,12 +167,14 @@ class ResponsesEndpoint:
     async def respond(self, is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
         (choice,) = (await self.chat.respond(is_disconnected))["choices"]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        return self.shape.response(status, self.shape.output(choice["message"], status),
-                                   usage(self.run))
+        logprobs = (choice["logprobs"] or {}).get("content")
+        return self.shape.response(
+            status, self.shape.output(choice["message"], status, logprobs), usage(self.run))
 
     async def stream_events(self) -> AsyncIterator[str]:
         events = ResponseEvents(self.shape)
         text = ChatText(self.chat.tool_calls, self.chat.reasoning, self.chat.show_reasoning)
+        tokens = TextLogprobs() if self.chat.top_n is not None else None
         for event in events.start():
             yield event
         reason = None
@@ -173,10 +185,16 @@ class ResponsesEndpoint:
                     for d in delta.completions:
                         new += d.text
                         finish = d.finish_reason or finish
+                        if tokens is not None and d.logprobs:
+                            tokens.add(self.chat.chat_logprobs(list(d.logprobs)))
                 if not new and finish is None:
                     continue
                 out, reason = text.delta(new, finish)
-                for event in events.delta(out):
+                logprobs = None
+                if tokens is not None:
+                    tokens.take(out.get("reasoning_content", ""))  # passed over
+                    logprobs = tokens.take(out.get("content", ""))
+                for event in events.delta(out, logprobs):
                     yield event
         except APIError as exc:
             for event in events.fail(exc):

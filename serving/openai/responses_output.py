@@ -7,6 +7,10 @@ name and arguments are found exactly as ``/v1/chat/completions`` finds them. A s
 item when its first piece arrives and closes every item at the end: the chat deltas may still
 add to an item opened earlier (content after a call), and no piece may follow its item's
 ``done`` event.
+
+With ``include: ["message.output_text.logprobs"]`` an ``output_text`` carries its tokens'
+logprobs (``TextLogprobs`` finds which tokens wrote it): each entry with ``bytes`` in a part,
+without them in the ``output_text`` events, as OpenAI's types have them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pagedserve.serving.openai.engine_run import EngineRun
 from pagedserve.serving.openai.render import render_json
 from pagedserve.serving.openai.responses_protocol import FunctionToolChoice, ResponsesRequest
 
-__all__ = ["ResponseEvents", "ResponseShape", "usage"]
+__all__ = ["ResponseEvents", "ResponseShape", "TextLogprobs", "usage"]
 
 
 def _new_id(prefix: str) -> str:
@@ -38,6 +42,8 @@ class _Item:
     """The message's or reasoning's text, or the call's arguments."""
     call_id: str = ""
     name: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    """A message's: the entries of the tokens its text came from."""
 
     def body(self, status: str) -> dict[str, Any]:
         if self.kind == "function_call":
@@ -51,10 +57,60 @@ class _Item:
                 "content": content}
 
     def part(self, text: str | None = None) -> dict[str, Any]:
+        """The content part: the item's own, or (``text`` given) one just opened."""
+        logprobs = self.logprobs if text is None else []
         text = self.text if text is None else text
         if self.kind == "reasoning":
             return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": []}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def _event_entries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logprob entries as the ``output_text`` events have them: no ``bytes``."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]}
+                              for t in e["top_logprobs"]]} for e in entries]
+
+
+@dataclass(slots=True)
+class TextLogprobs:
+    """Pairs an answer's tokens (their chat ``logprobs.content`` entries, in order) with the
+    pieces of message text cut from it, whole or as streamed: a piece gets the entries of
+    the tokens whose text overlaps it. Tokens between pieces (reasoning, a call's markup)
+    are passed over."""
+
+    _text: str = ""
+    _ends: list[int] = field(default_factory=list)
+    """Where each token's text ends in ``_text``."""
+    _entries: list[dict[str, Any]] = field(default_factory=list)
+    _given: int = 0
+    """Tokens handed out or passed over."""
+    _done: int = 0
+    """How much of ``_text`` the pieces so far have covered."""
+
+    def add(self, entries: list[dict[str, Any]]) -> None:
+        for entry in entries:
+            self._text += entry["token"]
+            self._ends.append(len(self._text))
+            self._entries.append(entry)
+
+    def take(self, piece: str) -> list[dict[str, Any]]:
+        if not piece:
+            return []
+        start = self._text.find(piece, self._done)
+        end = start + len(piece)
+        if start < 0:
+            # Tokens decoded one at a time need not spell the piece (a character split
+            # across two of them): it gets every token not yet handed out.
+            start, end = self._done, len(self._text)
+        while self._given < len(self._ends) and self._ends[self._given] <= start:
+            self._given += 1
+        first = self._given
+        while self._given < len(self._ends) and (
+                self._ends[self._given - 1] if self._given else 0) < end:
+            self._given += 1
+        self._done = end
+        return self._entries[first:self._given]
 
 
 def usage(run: EngineRun) -> dict[str, Any]:
@@ -101,6 +157,7 @@ class ResponseShape:
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "store": False,
             "temperature": body.temperature, "top_p": body.top_p,
+            "top_logprobs": body.top_logprobs,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)
                      if fmt is not None else {"type": "text"}},
             "tool_choice": (choice.model_dump() if isinstance(choice, FunctionToolChoice)
@@ -110,15 +167,23 @@ class ResponseShape:
             "metadata": body.metadata or {},
         }
 
-    def output(self, message: dict[str, Any], status: str) -> list[dict[str, Any]]:
+    def output(self, message: dict[str, Any], status: str,
+               logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The output items of a whole chat ``message``: its reasoning, its content (an empty
-        message when it has neither content nor calls), then its calls."""
+        message when it has neither content nor calls), then its calls. ``logprobs``: the
+        chat answer's entries, when the request includes them."""
         items: list[_Item] = []
         if message.get("reasoning_content"):
             items.append(_Item("reasoning", _new_id("rs"), 0, message["reasoning_content"]))
         calls = message.get("tool_calls") or []
         if message["content"] or not calls:
-            items.append(_Item("message", _new_id("msg"), 0, message["content"] or ""))
+            text = message["content"] or ""
+            items.append(_Item("message", _new_id("msg"), 0, text))
+            if logprobs:
+                tokens = TextLogprobs()
+                tokens.add(logprobs)
+                tokens.take(message.get("reasoning_content") or "")  # passed over
+                items[-1].logprobs = tokens.take(text)
         items.extend(_Item("function_call", _new_id("fc"), 0, c["function"]["arguments"],
                            c["id"], c["function"]["name"]) for c in calls)
         return [item.body(status) for item in items]
@@ -149,12 +214,14 @@ class ResponseEvents:
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
-    def delta(self, delta: dict[str, Any]) -> list[str]:
-        """The events of one chat delta: reasoning, content, then tool-call pieces."""
+    def delta(self, delta: dict[str, Any],
+              logprobs: list[dict[str, Any]] | None = None) -> list[str]:
+        """The events of one chat delta: reasoning, content (with ``logprobs``, the entries
+        of its tokens, when the request includes them), then tool-call pieces."""
         events: list[str] = []
         for key, kind in (("reasoning_content", "reasoning"), ("content", "message")):
             if delta.get(key):
-                events += self._text(kind, delta[key])
+                events += self._text(kind, delta[key], logprobs or [])
         for call in delta.get("tool_calls", ()):
             if "id" in call:  # a call opens with its id and name, before any argument
                 item = self._add("function_call", _new_id("fc"), call["id"],
@@ -175,7 +242,7 @@ class ResponseEvents:
         self._items.append(item)
         return item
 
-    def _text(self, kind: str, piece: str) -> list[str]:
+    def _text(self, kind: str, piece: str, logprobs: list[dict[str, Any]]) -> list[str]:
         events: list[str] = []
         item = self._open.get(kind)
         if item is None:
@@ -184,7 +251,10 @@ class ResponseEvents:
         item.text += piece
         name = "response.reasoning_text.delta" if kind == "reasoning" else \
             "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind == "message":
+            item.logprobs += logprobs
+            extra = {"logprobs": _event_entries(logprobs)}
         events.append(self._event(name, **self._where(item), content_index=0, delta=piece,
                                   **extra))
         return events
@@ -212,7 +282,8 @@ class ResponseEvents:
             else:
                 name = "response.reasoning_text.done" if item.kind == "reasoning" else \
                     "response.output_text.done"
-                extra = {} if item.kind == "reasoning" else {"logprobs": []}
+                extra = ({} if item.kind == "reasoning"
+                         else {"logprobs": _event_entries(item.logprobs)})
                 events.append(self._event(name, **where, content_index=0, text=item.text,
                                           **extra))
                 events.append(self._event("response.content_part.done", **where,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictStr, Tag
+from pydantic import AfterValidator, Discriminator, Field, StrictStr, Tag
 
 from pagedserve.serving.openai.protocol import (
     APIRequest,
@@ -20,11 +20,24 @@ from pagedserve.serving.openai.protocol import (
     FunctionDefinition,
     FunctionName,
     Temperature,
+    TopLogprobs,
     TopP,
     _only,
 )
 
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+"""The one ``include`` this server has: each output_text with its tokens' logprobs."""
+
+
+def _includable(values: list[str]) -> list[str]:
+    for value in values:
+        if value != OUTPUT_TEXT_LOGPROBS:
+            raise ValueError(f"include {value[:60]!r} is not supported by this server (only "
+                             f"{OUTPUT_TEXT_LOGPROBS!r})")
+    return values
+
 __all__ = [
+    "OUTPUT_TEXT_LOGPROBS",
     "FunctionCallItem",
     "FunctionCallOutputItem",
     "FunctionTool",
@@ -195,10 +208,14 @@ class ResponsesRequest(APIRequest):
     conversation: _only("conversations (this server keeps no state)") = None
     background: _only("background responses", False) = None
     # OpenAI's fields this server does not implement
-    include: _only("include (extra output data)", []) = None
+    include: Annotated[list[StrictStr], AfterValidator(_includable), Field(description=(
+        f"Only {OUTPUT_TEXT_LOGPROBS!r}: each output_text carries its tokens' logprobs."
+    ))] | None = None
     reasoning: _only("reasoning settings") = None
     truncation: _only("truncation other than disabled", "disabled") = None
-    top_logprobs: _only("top_logprobs", 0) = None
+    top_logprobs: TopLogprobs | None = None
+    """Alternatives per token in the logprobs ``include`` asks for; as at OpenAI, without
+    that no logprobs are shown."""
     max_tool_calls: _only("max_tool_calls") = None
     prompt: _only("prompt templates") = None
     service_tier: _only("service tiers", "auto", "default") = None

@@ -49,13 +49,10 @@ def test_a_handful_of_schemas_validate_on_smollm2(real_model_cache, capsys) -> N
     assert not script.check('{"a": "x"}', "stop", schema)[0]
     model = convert_into(real_model_cache)
     status = script.main(["--model", str(model), "--only", *HANDFUL, "--n", "1", "2",
-                          "--max-tokens", "160", "--max-model-len", "512", "--seed", "3",
-                          "--min-valid", "0.9"])
+                          "--max-tokens", "160", "--max-model-len", "512", "--seed", "3"])
     out = capsys.readouterr().out
     assert status == 0, out
-    # 5 schemas x (1 + 2 choices) x (whole, streamed); at temperature 1 the odd choice runs
-    # past max_tokens inside the grammar (counted apart), but none is ever off-schema.
-    row = re.search(r"\| all \| 30 \| (\d+) \| [\d.]+% \| (\d+) \| (\d+) \|", out)
-    assert row is not None, out
-    valid, cut, other = map(int, row.groups())
-    assert other == 0 and valid + cut == 30 and valid >= 27, out
+    # 5 schemas x (1 + 2 choices) x (whole, streamed), all valid: every string, array and
+    # number of these schemas is bounded, and so are the whitespace runs and fraction digits
+    # the grammar allows (controller/json_grammar.py), so no loop outlasts max_tokens.
+    assert re.search(r"\| all \| 30 \| 30 \| 100.0% \| 0 \| 0 \|", out), out

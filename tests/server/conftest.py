@@ -1,5 +1,6 @@
-"""Fixtures for the HTTP server tests: one tiny checkpoint per session, engines per module,
-and real uvicorn servers on free ports of 127.0.0.1, each in a background thread."""
+"""Fixtures for the HTTP server tests: one tiny checkpoint per session, engines per module
+(and one per session for the tool-calling modules, ``hermes_server``), and real uvicorn
+servers on free ports of 127.0.0.1, each in a background thread."""
 
 from __future__ import annotations
 
@@ -92,6 +93,36 @@ def _openai(
             oai.close()
     finally:
         client.shutdown()
+
+
+HERMES_TEMPLATE = (
+    # The tools in short: the tiny model's tokens are about a character each.
+    "{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t['function']['name'] }}("
+    "{{ t['function']['parameters']['required'] | join(', ') }}): "
+    "{{ t['function']['description'] }}\n{% endfor %}Call as <tool_call>{json}</tool_call>\n"
+    "{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|tool|>\n[{{ m['tool_call_id'] }}] "
+    "{{ m['content'] }}\n{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def hermes_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[SimpleNamespace]:
+    """The tiny Llama given a chat template that renders tools and writes calls as Hermes
+    does, behind a server (``_openai``'s namespace, with ``http``, an ``httpx`` client): one
+    per session for the chat tool-call and Responses tests."""
+    import httpx
+
+    model = _with_chat_template(llama_dir, tmp_path_factory.mktemp("hermes") / "model",
+                                HERMES_TEMPLATE)
+    with _openai(model, max_model_len=512) as env, \
+            httpx.Client(base_url=env.url, timeout=60) as http:
+        env.http = http
+        yield env
 
 
 @pytest.fixture(scope="session")

@@ -6,33 +6,22 @@ chat endpoint's for the same conversation; streamed, the events come in the orde
 expects and their deltas add up to the final text. A json_schema ``text.format`` and a named
 ``tool_choice`` constrain even a random model, so their outputs are checked with
 ``jsonschema``; a tool call goes out as a ``function_call`` item and comes back, with its
-output, into the prompt the template renders.
+output, into the prompt the template renders. With ``include`` the output_text carries the
+chat answer's token logprobs, whole and streamed. The server is the session's
+``hermes_server``, shared with ``test_tool_calls``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from openai.types.responses import Response
 
-TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t['function']['name'] }}("
-    "{{ t['function']['parameters']['required'] | join(', ') }})\n{% endfor %}"
-    "Call as <tool_call>{json}</tool_call>\n{% endif %}"
-    "{% for m in messages %}{% if m['role'] == 'tool' %}<|tool|>\n[{{ m['tool_call_id'] }}] "
-    "{{ m['content'] }}\n{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-    "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
-    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
         "required": ["zone"], "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_time", "description": "The time.",
@@ -46,14 +35,9 @@ TEXT_END = ["response.output_text.done", "response.content_part.done",
             "response.output_item.done"]
 
 
-@pytest.fixture(scope="module")
-def env(llama_dir: Path, srv: Any, tmp_path_factory) -> Iterator[SimpleNamespace]:
-    model = srv.with_chat_template(llama_dir, tmp_path_factory.mktemp("responses") / "model",
-                                   TEMPLATE)
-    with srv.openai(model, max_model_len=512) as e, \
-            httpx.Client(base_url=e.url, timeout=60) as http:
-        e.http = http
-        yield e
+@pytest.fixture
+def env(hermes_server: SimpleNamespace) -> SimpleNamespace:
+    return hermes_server
 
 
 def _events(env: SimpleNamespace, **kw: Any) -> list[Any]:
@@ -167,6 +151,92 @@ def test_a_tool_call_round_trip(env) -> None:
     assert f"<|tool|>\n[{call.call_id}] {answer}" in text
 
 
+def _entries(logprobs: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs or ()])
+            for e in logprobs]
+
+
+def _same(a: Any, b: Any) -> None:
+    """Equal entries; logprobs to 1e-3, as a prefix-cache hit computes the prompt apart."""
+    assert [(t, [x for x, _ in top]) for t, _, top in a] == [
+        (t, [x for x, _ in top]) for t, _, top in b]
+    flat = [[lp, *(v for _, v in top)] for _, lp, top in a]
+    assert flat == [pytest.approx([lp, *(v for _, v in top)], abs=1e-3) for _, lp, top in b]
+
+
+def test_output_text_logprobs_whole_and_streamed_are_the_chat_answer_s(env) -> None:
+    kw = {"input": "Hello", "max_output_tokens": 8, "temperature": 0.0}
+    asked = {**kw, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    chat = env.oai.chat.completions.create(
+        model=env.model, max_completion_tokens=8, temperature=0.0, logprobs=True,
+        top_logprobs=2, messages=[{"role": "user", "content": "Hello"}])
+    resp = env.oai.responses.create(model=env.model, **asked)
+    Response.model_validate(resp.model_dump())
+    assert resp.top_logprobs == 2
+    part = resp.output[0].content[0]
+    assert part.text == chat.choices[0].message.content
+    expected = chat.choices[0].logprobs.content
+    _same(_entries(part.logprobs), _entries(expected))
+    assert [e.bytes for e in part.logprobs] == [e.bytes for e in expected]
+    assert len(part.logprobs) == resp.usage.output_tokens
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    # As at OpenAI: no include, no logprobs, top_logprobs or not.
+    for extra in ({}, {"top_logprobs": 2}):
+        plain = env.oai.responses.create(model=env.model, **kw, **extra)
+        assert plain.output[0].content[0].logprobs == []
+
+    events = _events(env, **asked)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [entry for e in deltas for entry in _entries(e.logprobs)]
+    _same(streamed, _entries(part.logprobs))
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert _entries(done.logprobs) == streamed
+    final = events[-1].response.output[0].content[0]
+    assert _entries(final.logprobs) == streamed and final.text == part.text
+    assert all(e.logprobs == [] for e in _events(env, **kw)
+               if e.type == "response.output_text.delta")
+
+
+def test_logprobs_go_with_the_text_they_wrote() -> None:
+    """Reasoning before the text and a call after it: the text's part gets the entries of
+    its own tokens, whole and streamed, and the stream's events stay the SDK's types."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from pagedserve.serving.openai.responses_output import ResponseEvents, TextLogprobs
+    from pagedserve.serving.openai.tools import ChatText
+    from pagedserve.serving.reasoning_parsers import REASONING_PARSERS
+    from pagedserve.serving.tool_parsers import TOOL_CALL_PARSERS
+
+    tokens = ["<think>", "It is", "</think>", "It", " is", " <tool_call>", '{"name": ',
+              '"get_time", "arguments": {"zone": "UTC"}}', "</tool_call>"]
+    entries = [{"token": t, "logprob": -float(i), "bytes": list(t.encode()),
+                "top_logprobs": []} for i, t in enumerate(tokens)]
+    fmt, reasoning = TOOL_CALL_PARSERS["hermes"], REASONING_PARSERS["qwen3"]
+    whole, _ = ChatText(fmt, reasoning).message("".join(tokens), "stop")
+    (_, message, _) = _shape().output(whole, "completed", entries)
+    assert message["content"][0]["text"] == "It is"
+    assert [e["token"] for e in message["content"][0]["logprobs"]] == ["It", " is"]
+
+    events, chat, aligned = ResponseEvents(_shape()), ChatText(fmt, reasoning), TextLogprobs()
+    sse = events.start()
+    for i, entry in enumerate(entries):
+        aligned.add([entry])
+        out, _ = chat.delta(entry["token"], "stop" if i == len(entries) - 1 else None)
+        aligned.take(out.get("reasoning_content", ""))
+        sse += events.delta(out, aligned.take(out.get("content", "")))
+    sse += events.finish({"input_tokens": 1, "input_tokens_details": {
+        "cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": 9,
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 10}, False)
+    adapter = TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_json(s.split("\n")[1].removeprefix("data: ")) for s in sse]
+    streamed = [lp.token for e in parsed if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert streamed == ["It", " is"]
+    final = Response.model_validate(parsed[-1].response.model_dump())
+    assert [lp.token for lp in final.output[1].content[0].logprobs] == ["It", " is"]
+
+
 @pytest.mark.parametrize(("kw", "param"), [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
@@ -175,6 +245,8 @@ def test_a_tool_call_round_trip(env) -> None:
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format"),
 ])
@@ -255,9 +327,9 @@ FIELDS: dict[str, tuple[Any, bool]] = {
     "stream": (False, OK), "metadata": ({"k": "v"}, OK), "user": ("u", OK),
     "safety_identifier": ("s", OK), "prompt_cache_key": ("k", OK), "store": (True, REFUSED),
     "previous_response_id": ("resp_1", REFUSED), "conversation": ("conv_1", REFUSED),
-    "background": (True, REFUSED), "include": (["message.output_text.logprobs"], REFUSED),
+    "background": (True, REFUSED), "include": (["message.output_text.logprobs"], OK),
     "reasoning": ({"effort": "low"}, REFUSED), "truncation": ("auto", REFUSED),
-    "top_logprobs": (2, REFUSED), "max_tool_calls": (1, REFUSED),
+    "top_logprobs": (2, OK), "max_tool_calls": (1, REFUSED),
     "prompt": ({"id": "pmpt_1"}, REFUSED), "service_tier": ("flex", REFUSED),
 }
 

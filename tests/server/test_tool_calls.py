@@ -11,7 +11,6 @@ random model write a Hermes call, and the parser must find it, streamed and not.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,18 +22,6 @@ import pytest
 from pagedserve.serving.openai.tools import ChatText
 from pagedserve.serving.tool_parsers import TOOL_CALL_PARSERS, named_call, required_calls
 
-TEMPLATE = (
-    # The tools in short: the tiny model's tokens are about a character each.
-    "{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t['function']['name'] }}("
-    "{{ t['function']['parameters']['required'] | join(', ') }}): "
-    "{{ t['function']['description'] }}\n{% endfor %}Call as <tool_call>{json}</tool_call>\n"
-    "{% endif %}"
-    "{% for m in messages %}{% if m['role'] == 'tool' %}<|tool|>\n[{{ m['tool_call_id'] }}] "
-    "{{ m['content'] }}\n{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-    "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
-    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -113,14 +100,9 @@ def test_a_partial_start_marker_is_held_back_until_it_is_clear() -> None:
 
 
 # ------------------------------------------------------------------------------ HTTP
-@pytest.fixture(scope="module")
-def env(llama_dir: Path, srv: Any, tmp_path_factory) -> Iterator[SimpleNamespace]:
-    model = srv.with_chat_template(llama_dir, tmp_path_factory.mktemp("tools") / "model",
-                                   TEMPLATE)
-    with srv.openai(model, max_model_len=512) as e, \
-            httpx.Client(base_url=e.url, timeout=60) as http:
-        e.http = http
-        yield e
+@pytest.fixture
+def env(hermes_server: SimpleNamespace) -> SimpleNamespace:
+    return hermes_server
 
 
 def _chat(env: SimpleNamespace, **kw: Any) -> Any:
