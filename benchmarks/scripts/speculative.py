@@ -12,6 +12,10 @@ speculation, the acceptance rate (accepted / proposed draft tokens), tokens per 
 + accepted drafts per request-step that had drafts), and whether every output is identical to
 the run without speculation (greedy: it must be).
 
+``--draft-layers N`` adds a draft model: the target's first N decoder layers with its own
+embedding, final norm and head (an early exit, untrained as a draft: written once into the
+cache), the only smaller checkpoint with SmolLM2's tokenizer at hand.
+
     python benchmarks/scripts/speculative.py --concurrency 1
     python benchmarks/scripts/speculative.py --concurrency 8 --out docs/results/speculative.md
 """
@@ -32,7 +36,7 @@ from peers import model_dir  # noqa: E402
 
 from pagedserve.benchmarks.report import emit_table  # noqa: E402
 
-METHODS = {
+METHODS: dict[str, dict | None] = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
               "prompt_lookup_max": 5},
@@ -48,6 +52,34 @@ TASKS = (
     "Rewrite the following code with every comment removed, changing nothing else:\n\n{code}",
     "Copy this function, renaming its first parameter to `value`:\n\n{code}",
 )
+
+
+def draft_dir(target: Path, layers: int) -> Path:
+    """The target's first ``layers`` decoder layers as a checkpoint of their own (written once
+    into the cache): same embedding, final norm, head and tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.config import cache_root
+
+    out = cache_root() / f"{target.name}-first{layers}layers"
+    if (out / "model.safetensors").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    keep = {k: v for k, v in load_file(str(target / "model.safetensors")).items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, str(tmp / "model.safetensors"))
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "generation_config", "chat_template")):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return out
 
 
 def _source(dotted: str) -> str:
@@ -107,6 +139,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--methods", default="none,ngram,suffix")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                    help="also a draft model: the target's first N layers")
+    ap.add_argument("--num-draft-tokens", type=int, default=4,
+                    help="the draft model's num_speculative_tokens")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -115,6 +151,11 @@ def main() -> None:
     n = args.num_requests or (4 if args.concurrency == 1 else 2 * args.concurrency)
     texts = prompts(n)
     model = str(model_dir(args.model))
+    if args.draft_layers is not None:
+        METHODS["draft_model"] = {
+            "method": "draft_model", "model": str(draft_dir(Path(model), args.draft_layers)),
+            "num_speculative_tokens": args.num_draft_tokens}
+        methods.append("draft_model")
     rounds: list[dict[str, dict]] = []
     for r in range(args.rounds):
         order = methods if r % 2 == 0 else methods[::-1]
@@ -141,7 +182,10 @@ def table(args: argparse.Namespace, methods: list[str], rounds: list[dict], n: i
         per_step = f"{1 + accepted / drafts:.2f}" if drafts else "-"
         same = sum(a == b for r in rounds
                    for a, b in zip(r[m]["outputs"], r["none"]["outputs"], strict=True))
-        config = "-" if METHODS[m] is None else f"`{json.dumps(METHODS[m])}`"
+        shown = METHODS[m]
+        if shown is not None and "model" in shown:  # the cache path, by its name only
+            shown = {**shown, "model": Path(shown["model"]).name}
+        config = "-" if shown is None else f"`{json.dumps(shown)}`"
         lines.append(f"| {m} | {config} | {statistics.median(tps):.1f} | "
                      f"{statistics.median(ratios):.2f}x | {rate} | {per_step} | "
                      f"{same}/{n * len(rounds)} |")

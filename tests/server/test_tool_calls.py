@@ -246,8 +246,8 @@ def test_bad_tool_requests_are_refused_by_name(env, llama_dir: Path, srv: Any) -
 AGENT = '''
 import asyncio, json, sys
 from typing import Literal
-from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
-                    set_tracing_disabled)
+from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                    Runner, function_tool, set_tracing_disabled)
 from openai import AsyncOpenAI
 
 set_tracing_disabled(True)
@@ -259,7 +259,9 @@ def get_time(zone: Literal["UTC", "CET"]) -> str:
     calls.append(zone)
     return f"12:00 {zone}"
 
-model = OpenAIChatCompletionsModel(model=sys.argv[2], openai_client=AsyncOpenAI(
+# The SDK's two model shapes: chat completions, and the Responses API it defaults to.
+api = OpenAIResponsesModel if sys.argv[3] == "responses" else OpenAIChatCompletionsModel
+model = api(model=sys.argv[2], openai_client=AsyncOpenAI(
     base_url=sys.argv[1], api_key="unused", max_retries=0))
 agent = Agent(name="clock", instructions="Tell the time.", tools=[get_time], model=model,
               model_settings=ModelSettings(tool_choice="required", max_tokens=64),
@@ -271,7 +273,8 @@ print(json.dumps({"calls": calls, "final": result.final_output}))
 
 def test_an_agent_framework_runs_a_tool_using_agent(env, tmp_path: Path) -> None:
     """The OpenAI Agents SDK, from PyPI in a virtual environment of its own (never one of
-    ours), runs an agent whose model must call a tool; the tool's answer ends the run."""
+    ours), runs an agent whose model must call a tool; the tool's answer ends the run. Once
+    through chat completions, once through ``/v1/responses`` (the SDK's default model)."""
     import subprocess
     import sys
 
@@ -281,10 +284,12 @@ def test_an_agent_framework_runs_a_tool_using_agent(env, tmp_path: Path) -> None
                     "openai-agents"], check=True, timeout=600)
     script = tmp_path / "agent.py"
     script.write_text(AGENT)
-    # Run outside the repository: its root is our package, which would shadow PyPI names.
-    out = subprocess.run([str(venv / "bin" / "python"), str(script), f"{env.url}/v1", env.model],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(result["calls"]) == 1 and result["calls"][0] in ("UTC", "CET")
-    assert result["final"] == f"12:00 {result['calls'][0]}"
+    for api in ("chat", "responses"):
+        # Run outside the repository: its root is our package, which would shadow PyPI names.
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), str(script), f"{env.url}/v1", env.model, api],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (api, out.stderr[-3000:])
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert len(result["calls"]) == 1 and result["calls"][0] in ("UTC", "CET"), api
+        assert result["final"] == f"12:00 {result['calls'][0]}", api
