@@ -264,7 +264,8 @@ api = OpenAIResponsesModel if sys.argv[3] == "responses" else OpenAIChatCompleti
 model = api(model=sys.argv[2], openai_client=AsyncOpenAI(
     base_url=sys.argv[1], api_key="unused", max_retries=0))
 agent = Agent(name="clock", instructions="Tell the time.", tools=[get_time], model=model,
-              model_settings=ModelSettings(tool_choice="required", max_tokens=64),
+              model_settings=ModelSettings(tool_choice="required", max_tokens=64,
+                                           parallel_tool_calls=False),
               tool_use_behavior="stop_on_first_tool")
 result = asyncio.run(Runner.run(agent, "What time is it?"))
 print(json.dumps({"calls": calls, "final": result.final_output}))
