@@ -10,11 +10,16 @@ Each generating case asserts that drafts were both accepted and rejected.
 from __future__ import annotations
 
 import functools
-import shutil
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from helpers.checkpoints import (
+    hf_greedy,
+    load_hf_model,
+    make_checkpoint,
+    perturbed_copy,
+    repeating_prompts,
+)
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import ConfigError, EngineConfig, from_flat
@@ -43,29 +48,7 @@ def _target(kind: str, root: str) -> Path:
 
 @functools.cache
 def _draft(kind: str, root: str, noise: float = DRAFT_NOISE) -> Path:
-    """A copy of the target checkpoint whose every tensor has Gaussian noise added."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    src = _target(kind, root)
-    dst = Path(root) / f"{kind}-draft-{noise}"
-    shutil.copytree(src, dst)
-    weights = load_file(str(src / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    noisy = {k: v + noise * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    save_file(noisy, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
-def _prompts(seed: int, lens: tuple[int, ...] = (3, 17, 40, 70)) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for n in lens:
-        head = [rng.randrange(3, 512) for _ in range(n)]
-        out.append(head + head[: n // 2])
-    return out
+    return perturbed_copy(_target(kind, root), Path(root) / f"{kind}-draft-{noise}", noise)
 
 
 @functools.cache
@@ -113,7 +96,7 @@ def _tokens(outs) -> list[list[int]]:
 @pytest.mark.parametrize(("k", "block_size"), [(1, 16), (3, 4), (3, 16)])
 def test_greedy_equals_transformers(k: int, block_size: int, ckpt_root: str) -> None:
     path, draft = _target("llama", ckpt_root), _draft("llama", ckpt_root)
-    prompts = _prompts(1)
+    prompts = repeating_prompts(1)
     outs, stats, _ = _run(path, prompts, block_size=block_size,
                           speculative_config=_spec(draft, k))
     assert _tokens(outs) == _greedy(str(path), tuple(map(tuple, prompts)))
@@ -124,7 +107,7 @@ def test_the_target_as_its_own_draft_is_always_right(ckpt_root: str) -> None:
     """Its KV is the target's at every position, so every draft is accepted: one wrong
     position of the draft's KV would show as a rejection."""
     path = _target("llama", ckpt_root)
-    prompts = _prompts(1)
+    prompts = repeating_prompts(1)
     outs, stats, _ = _run(path, prompts, block_size=4, speculative_config=_spec(path, 3))
     assert _tokens(outs) == _greedy(str(path), tuple(map(tuple, prompts)))
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
@@ -140,8 +123,9 @@ def test_drafts_are_the_draft_models_greedy_through_preemption_and_prefix_hits(
     workers sent is exactly the draft model's own greedy continuation (transformers) of the
     tokens it follows."""
     path, draft = _target("hybrid", ckpt_root), _draft("hybrid", ckpt_root)
-    shared = _prompts(7, (40,))[0]
-    prompts = [shared + p for p in _prompts(2, (3, 9, 20))] + _prompts(3, (50, 64))
+    shared = repeating_prompts(7, (40,))[0]
+    prompts = [shared + p for p in repeating_prompts(2, (3, 9, 20))]
+    prompts += repeating_prompts(3, (50, 64))
     swap = {"preemption_mode": "swap", "num_host_blocks": 64} if preemption == "swap" else {}
     outs, stats, received = _run(path, prompts, record=True, num_gpu_blocks=20, block_size=16,
                                  speculative_config=_spec(draft, 3), **swap)
@@ -176,7 +160,7 @@ def test_n_and_seeded_sampling_draw_what_they_draw_without_drafts(ckpt_root: str
     model the same tokens come out; the draft proposes greedily, which keeps verification
     exact for sampling too."""
     path, draft = _target("qwen2", ckpt_root), _draft("qwen2", ckpt_root)
-    prompts = _prompts(5, (12, 30))
+    prompts = repeating_prompts(5, (12, 30))
     params = SamplingParams(n=2, max_tokens=24, temperature=0.8, top_k=20, seed=11,
                             ignore_eos=True)
     base, _, _ = _run(path, prompts, params)
@@ -188,7 +172,7 @@ def test_n_and_seeded_sampling_draw_what_they_draw_without_drafts(ckpt_root: str
 
 def test_backs_off_at_batch_size(ckpt_root: str) -> None:
     path, draft = _target("llama", ckpt_root), _draft("llama", ckpt_root)
-    prompts = _prompts(1)
+    prompts = repeating_prompts(1)
     outs, stats, received = _run(path, prompts, record=True,
                                  speculative_config=_spec(draft, 3, disable_by_batch_size=1))
     assert _tokens(outs) == _greedy(str(path), tuple(map(tuple, prompts)))
@@ -250,7 +234,7 @@ def test_the_engine_sizes_its_pool_for_the_draft(ckpt_root: str) -> None:
     budget = 1 << 20
     page = 2 * 16 * 2 * 16 * 4  # K and V of 16 tokens x 2 KV heads x 16 dims, float32
     blocks = {}
-    prompts = _prompts(1, (17,))
+    prompts = repeating_prompts(1, (17,))
     for name, spec in (("plain", None), ("draft", _spec(small, 2))):
         outs, stats, _ = _run(path, prompts, block_size=16, kv_cache_memory_bytes=budget,
                               speculative_config=spec)
@@ -297,6 +281,6 @@ def test_a_shorter_draft_serves_a_shorter_max_model_len(ckpt_root: str) -> None:
     path = _target("llama", ckpt_root)
     draft = make_checkpoint("llama", Path(ckpt_root) / "short", init_std=0.05,
                             max_position_embeddings=128)
-    prompts = _prompts(1, (20,))
+    prompts = repeating_prompts(1, (20,))
     outs, _, _ = _run(path, prompts, max_model_len=128, speculative_config=_spec(draft, 2))
     assert _tokens(outs) == _greedy(str(path), tuple(map(tuple, prompts)))

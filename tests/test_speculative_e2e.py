@@ -12,7 +12,7 @@ import functools
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
+from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint, repeating_prompts
 
 from pagedserve import LLM, SamplingParams
 
@@ -30,18 +30,6 @@ def _checkpoint(kind: str, root: str) -> Path:
 @pytest.fixture(scope="module")
 def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("ckpts"))
-
-
-def _prompts(seed: int, lens: tuple[int, ...] = (3, 17, 40, 70)) -> list[list[int]]:
-    """Random prompts with a repeated stretch in each, so that prompt lookup finds matches."""
-    import random
-
-    rng = random.Random(seed)
-    out = []
-    for n in lens:
-        head = [rng.randrange(3, 512) for _ in range(n)]
-        out.append(head + head[: n // 2])
-    return out
 
 
 @functools.cache
@@ -76,7 +64,7 @@ def _tokens(outs) -> list[list[int]]:
 ])
 def test_greedy_equals_transformers(method: str, k: int, block_size: int, ckpt_root: str) -> None:
     path = _checkpoint("llama", ckpt_root)
-    prompts = _prompts(1)
+    prompts = repeating_prompts(1)
     spec = {"method": method, "num_speculative_tokens": k}
     outs, stats = _run(path, prompts, block_size=block_size, speculative_config=spec)
     assert _tokens(outs) == _reference(str(path), tuple(map(tuple, prompts)))
@@ -85,8 +73,9 @@ def test_greedy_equals_transformers(method: str, k: int, block_size: int, ckpt_r
 
 def test_preemption_and_prefix_hits(ckpt_root: str) -> None:
     path = _checkpoint("hybrid", ckpt_root)  # sliding-window and full-attention groups
-    shared = _prompts(7, (40,))[0]
-    prompts = [shared + p for p in _prompts(2, (3, 9, 20))] + _prompts(3, (50, 64))
+    shared = repeating_prompts(7, (40,))[0]
+    prompts = [shared + p for p in repeating_prompts(2, (3, 9, 20))]
+    prompts += repeating_prompts(3, (50, 64))
     # Five requests of up to ~180 tokens in 20 blocks of 16: preemptions, with drafts pending.
     outs, stats = _run(path, prompts, num_gpu_blocks=20, block_size=16,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 4})
@@ -97,7 +86,7 @@ def test_preemption_and_prefix_hits(ckpt_root: str) -> None:
 
 def test_stop_inside_an_accepted_run_ends_there(ckpt_root: str) -> None:
     path = _checkpoint("llama", ckpt_root)
-    prompt = _prompts(1)[2]
+    prompt = repeating_prompts(1)[2]
     full = _reference(str(path), (tuple(prompt),))[0]
     spec = {"method": "ngram", "num_speculative_tokens": 5}
     for cut in (7, 20, 33):
@@ -115,7 +104,7 @@ def test_stop_inside_an_accepted_run_ends_there(ckpt_root: str) -> None:
 
 def test_backs_off_at_batch_size(ckpt_root: str) -> None:
     path = _checkpoint("llama", ckpt_root)
-    prompts = _prompts(1)
+    prompts = repeating_prompts(1)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 1}
     outs, stats = _run(path, prompts, speculative_config=spec)
     assert _tokens(outs) == _reference(str(path), tuple(map(tuple, prompts)))
@@ -186,7 +175,7 @@ def test_sampling_distribution_is_the_targets(ckpt_root: str) -> None:
     right about one time in nine, pass a chi-square test against the exact distribution,
     and the seeded tokens are the same draw for draw."""
     path = _checkpoint("qwen2", ckpt_root)
-    prompt = _prompts(11, (12,))[0]
+    prompt = repeating_prompts(11, (12,))[0]
     top_k = 4
     first, second = _target(path, prompt, top_k)
     likely = sorted(second, key=second.get, reverse=True)
@@ -227,7 +216,7 @@ def test_every_sampling_feature_draws_the_same_with_drafts(ckpt_root: str) -> No
     from pagedserve.messages import StructuredOutputsParams
 
     path = _checkpoint("llama", ckpt_root)
-    prompts = _prompts(21, (5, 30))
+    prompts = repeating_prompts(21, (5, 30))
     sampled = dict(max_tokens=30, temperature=1.0, ignore_eos=True)
     variants = [
         SamplingParams(**sampled, top_p=0.9, seed=1, n=3),

@@ -91,13 +91,12 @@ class Drafter:
         )[:room]
 
     def record(
-        self, so: SchedulerOutput, out: ModelRunnerOutput,
-        requests: Mapping[str, Request] | None = None,
+        self, so: SchedulerOutput, out: ModelRunnerOutput, requests: Mapping[str, Request]
     ) -> None:
         """Count the step's drafts and how many of each request's were accepted (its tokens
         but the last, which the model sampled itself). ``requests``: the live requests, with
         this step's tokens appended, for the drafts the workers' draft model made."""
-        if out.draft_token_ids and requests is not None and isinstance(self.proposer, ModelDrafts):
+        if out.draft_token_ids and isinstance(self.proposer, ModelDrafts):
             for rid, drafts in out.draft_token_ids.items():
                 req = requests.get(rid)
                 if req is not None and not req.is_finished:

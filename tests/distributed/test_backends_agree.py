@@ -28,15 +28,6 @@ LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 SIDE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _greedy(last: int, n: int) -> list[int]:
-    """The scripted model's tokens after ``last``: what an uninterrupted run gives."""
-    out = []
-    for _ in range(n):
-        last = scripted.next_token(last)
-        out.append(last)
-    return out
-
-
 def _script(client: Any) -> tuple[dict[str, list[tuple]], list[str], dict[str, Any]]:
     """Run the sequence; returns each request's deltas (as tuples), the errors, the stats."""
     deltas: dict[str, list[tuple]] = {}
@@ -94,13 +85,14 @@ def _check(deltas: dict[str, list[tuple]], errors: list[str], stats: dict[str, A
     assert stats["num_worker_restarts"] == 1  # the failure happened, and cost nothing:
     assert not [rid for rid, ds in deltas.items() for d in ds if d[1]]  # no error delta
     for rid, last, n in (("victim", 4, 30), ("side0", 20, 12), ("side1", 21, 12)):
-        assert [t for d in deltas[rid] for c in d[2] for t in c[1]] == _greedy(last, n)
+        tokens = [t for d in deltas[rid] for c in d[2] for t in c[1]]
+        assert tokens == scripted.greedy_after(last, n)
         assert deltas[rid][-1][0] and deltas[rid][-1][2][-1][2] == "length"
     assert [c for d in deltas["after"] for c in d[2]][-1][2] == "length"
     assert len(deltas["pair"][-1][2]) >= 1 and stats["num_preemptions"] > 0
     for i in range(4):
         toks = [t for d in deltas[f"long{i}"] for c in d[2] for t in c[1]]
-        assert toks == _greedy(10 + i, 30)
+        assert toks == scripted.greedy_after(10 + i, 30)
 
 
 def test_the_backends_give_the_same_deltas_and_errors(ray_local) -> None:

@@ -43,14 +43,6 @@ def _start(dp: int, policy: Callable[[], RestartPolicy]) -> Router:
                              reserve_workers=False, restart_policy=policy)
 
 
-def _greedy(last: int, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        last = scripted.next_token(last)
-        out.append(last)
-    return out
-
-
 class Streams:
     """Requests submitted to ``router``; each one's cumulative output and token count."""
 
@@ -102,7 +94,7 @@ def test_two_replicas_one_killed_its_streams_go_on_at_the_other(by_value) -> Non
         assert streams.errors == 0
         for r in streams.requests:
             out = finals[r.request_id].outputs[0]
-            assert out.token_ids == _greedy(r.prompt_token_ids[-1], 80), r.request_id
+            assert out.token_ids == scripted.greedy_after(r.prompt_token_ids[-1], 80), r.request_id
             assert out.finish_reason == "length"
         assert min(at_kill[rid] for rid in lost) < 80  # the kill landed mid-stream
         assert {rid for rid, _, why in router.routes if why == "moved"} == set(lost)

@@ -117,3 +117,32 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` whose every tensor has Gaussian noise of std
+    ``noise`` added: a draft model that agrees with its target most of the time."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {k: v + noise * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    save_file(noisy, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def repeating_prompts(seed: int, lens: tuple[int, ...] = (3, 17, 40, 70)) -> list[list[int]]:
+    """Random prompts (ids 3-511) of the given lengths, each followed by its first half again,
+    so that prompt lookup finds matches in them."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for n in lens:
+        head = [rng.randrange(3, 512) for _ in range(n)]
+        out.append(head + head[: n // 2])
+    return out

@@ -25,6 +25,15 @@ def next_token(last: int, seed: int | None = None, vocab: int = VOCAB) -> int:
     return (last * 7 + 1) % vocab
 
 
+def greedy_after(last: int, n: int) -> list[int]:
+    """The ``n`` tokens after ``last``: what an uninterrupted run gives."""
+    out = []
+    for _ in range(n):
+        last = next_token(last)
+        out.append(last)
+    return out
+
+
 @dataclass
 class ScriptedExecutor(FakeExecutor):
     vocab_size: int = VOCAB
