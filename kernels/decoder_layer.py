@@ -24,6 +24,7 @@ from pagedserve.kernels.layer_ops import (
     rotary_ref,
     silu_and_mul_ref,
 )
+from pagedserve.kernels.linear import is_tiled
 from pagedserve.kernels.quant_linear import (
     GROUP_SIZE,
     INT_MM_MIN_K,
@@ -36,7 +37,8 @@ from pagedserve.kernels.reference import paged_attention_ref, reshape_and_cache_
 __all__ = ["LayerWeights", "decoder_layer", "decoder_layer_ref", "projection"]
 
 # How a projection's weight is held, as csrc/decoder_layer_cpu.cpp's Kind numbers them.
-LINEAR_PLAIN, LINEAR_PACKED, LINEAR_INT8, LINEAR_INT8_DYNAMIC, LINEAR_INT4 = range(5)
+(LINEAR_PLAIN, LINEAR_PACKED, LINEAR_INT8, LINEAR_INT8_DYNAMIC, LINEAR_INT4, LINEAR_TILED,
+ LINEAR_INT8_TILED) = range(7)
 
 
 def projection(
@@ -45,6 +47,8 @@ def projection(
     """(kind, tensors) of one projection, held as ``parallel.linear`` holds it: its plain
     weight, oneDNN-packed copy or quantized weight; the kernel chosen per call is the one
     ``kernels.linear.linear`` or ``kernels.quant_linear.quantized_linear`` would choose."""
+    if isinstance(quant, Int8Weight) and quant.tiled is not None:
+        return LINEAR_INT8_TILED, (quant.tiled, quant.offset, quant.col_scale)
     if isinstance(quant, Int8Weight):
         dynamic = quant.dynamic and quant.qweight.shape[1] >= INT_MM_MIN_K
         return (LINEAR_INT8_DYNAMIC if dynamic else LINEAR_INT8,
@@ -52,7 +56,7 @@ def projection(
     if isinstance(quant, Int4Weight):
         return LINEAR_INT4, (quant.packed, quant.scale_zeros)
     if packed is not None:
-        return LINEAR_PACKED, (packed,)
+        return LINEAR_TILED if is_tiled(packed) else LINEAR_PACKED, (packed,)
     assert weight is not None
     return LINEAR_PLAIN, (weight,)
 

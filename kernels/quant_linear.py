@@ -3,7 +3,14 @@
 Two layouts, each on CPU kernels with a pure-torch reference beside it:
 
 - **int8 per output channel** (``quantize_int8``): ``W[n, k] = q[n, k] * s[n]``, q int8 in
-  [-127, 127], s = max|W[n, :]| / 127. Two kernels, chosen by the number of rows:
+  [-127, 127], s = max|W[n, :]| / 127. Where the build has AVX512-VNNI and the shape tiles,
+  a weight that may take dynamic activations is held in the tiled layout of
+  ``kernels.linear`` and runs ``csrc/linear_cpu.cpp``'s ``int8_linear_tiled`` at every row
+  count: the dynamic path below fused into one call (the row quantization, vpdpbusd's exact
+  int32 sums, the scales), its result the unfused path's bit for bit. At one row it reads
+  half of bf16's bytes, and at 64 rows it runs at about 1.5x the tiled bf16 kernel
+  (``benchmarks/scripts/int8_linear.py``). Elsewhere, two kernels, chosen by the number of
+  rows:
   - up to ``WEIGHT_ONLY_ROWS`` rows (a decode step of a few sequences, where reading the
     weight is the cost), weight-only through ``aten._weight_int8pack_mm``;
   - above it, dynamic int8 activations: each row of x is quantized symmetrically with its own
@@ -43,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.cpu import compiled_for, cpu_ops
+from pagedserve.kernels.linear import tile_weight, tileable, untile_weight
 
 __all__ = [
     "GROUP_SIZE",
@@ -87,21 +95,35 @@ class Int8Weight:
     codes hold ``W R`` (R the orthonormal Hadamard rotation of ``hadamard_rows_ref`` over
     groups of that many input columns) and the kernels rotate x alike,
     ``(x R)(W R)^T = x W^T``, so that one row scale fits every element of a row
-    (``quantize_int8``)."""
+    (``quantize_int8``).
 
-    __slots__ = ("col_scale", "dynamic", "hadamard", "qweight", "scale")
+    A dynamic weight the tiled kernel takes (``kernels.linear.tileable``: AVX512-VNNI, 32 | out,
+    4 | in) is held only tiled (``tiled``, with ``offset`` = 128 x each column's code sum, the
+    kernel's correction for its unsigned activations) and runs dynamic at every row count;
+    ``qweight`` then rebuilds the plain codes on request (tests, references)."""
+
+    __slots__ = ("col_scale", "dynamic", "hadamard", "offset", "plain", "scale", "tiled")
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dynamic: bool = True,
                  hadamard: int = 0) -> None:
-        self.qweight = qweight
         self.scale = scale
         self.col_scale = scale.float().contiguous()
         self.dynamic = dynamic
         self.hadamard = hadamard
+        self.tiled = tile_weight(qweight) if dynamic and tileable(qweight) else None
+        self.offset = (128 * qweight.sum(dim=1, dtype=torch.int32)
+                       if self.tiled is not None else None)
+        self.plain = None if self.tiled is not None else qweight
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The codes ``[out, in]`` int8."""
+        return self.plain if self.plain is not None else untile_weight(self.tiled)
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scale.nbytes + self.col_scale.nbytes
+        held = (self.plain,) if self.tiled is None else (self.tiled, self.offset)
+        return sum(t.nbytes for t in held) + self.scale.nbytes + self.col_scale.nbytes
 
     def dequantize(self) -> torch.Tensor:
         """The weight the layer computes with [out, in], float64 (the rotation turned back)."""
@@ -206,15 +228,20 @@ def int8_linear(
     bias: torch.Tensor | None = None,
     compute_dtype: torch.dtype = _KERNEL_DTYPE,
 ) -> torch.Tensor:
-    """x: [..., in] -> [..., out] in x's dtype: weight-only up to ``WEIGHT_ONLY_ROWS`` rows (or
-    always, for a weight made with ``dynamic=False``), dynamic int8 activations above (the
-    module docstring says why; ``compute_dtype`` is the weight-only kernel's)."""
+    """x: [..., in] -> [..., out] in x's dtype: a tiled weight dynamic at every row count
+    (``Int8Weight``); otherwise weight-only up to ``WEIGHT_ONLY_ROWS`` rows (or always, for a
+    weight made with ``dynamic=False``), dynamic int8 activations above (the module docstring
+    says why; ``compute_dtype`` is the weight-only kernel's)."""
     if x.device.type != "cpu":
         return int8_linear_ref(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if weight.hadamard:
         x2 = hadamard_rows(x2, weight.hadamard)
+    if weight.tiled is not None and x.dtype in (torch.float32, torch.bfloat16):
+        y = cpu_ops().int8_linear_tiled(x2, weight.tiled, weight.offset, weight.col_scale,
+                                        None if bias is None else bias.to(x.dtype).contiguous())
+        return y.view(*lead, -1)
     if x2.shape[0] <= WEIGHT_ONLY_ROWS or not weight.dynamic or k < INT_MM_MIN_K:
         y = torch.ops.aten._weight_int8pack_mm(x2.to(compute_dtype), weight.qweight,
                                                weight.scale.to(compute_dtype)).to(x.dtype)

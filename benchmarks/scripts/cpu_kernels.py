@@ -1,17 +1,17 @@
 """The CPU kernels against the torch code they replace, side by side in one process.
 
 For each checkpoint shape (the peers benchmark's three: ``demo``, ``llama-22m``, ``smollm2``) and
-each op of a decoder layer that has its own CPU path (the compiled kernels; the residual add
-fused into the norm after it, against the add as its own op; the linear layers' packed oneDNN
-matmul against ``F.linear``): a decode step of 64 sequences (context 50-400 tokens), the same
-for 8 sequences (the end of a batch, when few requests are left) and a prefill of 8 sequences
-of 200 tokens, float32 (or ``--dtype bfloat16``: activations, weights and the cache in bf16, the
-rotary tables float32 as the model keeps them), block size 16. The two implementations
-alternate call by call so that drift hits both; each figure is the median of ``--reps`` timed
-calls after a warm-up. Paged attention's torch path is given its plan built
-once (as the engine does per step), so the comparison is the per-layer cost; "as the engine
-calls it" is the dispatcher with the step's plan cache, which leaves sequences with more than 16
-new tokens to the torch path.
+each op of a decoder layer that has its own CPU path (the compiled kernels; the residual add fused
+into the norm after it, against the add as its own op; the linear layers' packed matmul, tiled
+where that kernel is built and oneDNN's elsewhere, against ``F.linear``): a decode step of 64
+sequences (context 50-400 tokens), the same for 8 sequences (the end of a batch, when few requests
+are left) and a prefill of 8 sequences of 200 tokens, float32 (or ``--dtype bfloat16``:
+activations, weights and the cache in bf16, the rotary tables float32 as the model keeps them),
+block size 16. The two implementations alternate call by call so that drift hits both; each figure
+is the median of ``--reps`` timed calls after a warm-up. Paged attention's torch path is given its
+plan built once (as the engine does per step), so the comparison is the per-layer cost; "as the
+engine calls it" is the dispatcher with the step's plan cache, which leaves sequences with more
+than 16 new tokens to the torch path.
 
     python benchmarks/scripts/cpu_kernels.py
     python benchmarks/scripts/cpu_kernels.py --out docs/results/cpu_kernels.md

@@ -271,13 +271,15 @@ def linear_flops_per_token(mdir: Path) -> int:
 def gemm_peak_flops(mdir: Path, dtype: str) -> float:
     """The best FLOP/s of a matmul on the model's widest MLP shape (256 rows, as a prefill
     chunk), all cores, at ``dtype``: what this machine's matmuls reach, for the share column.
-    The best of ``F.linear`` (MKL at float32) and oneDNN's linear on a weight packed once (what
-    both engines run on the CPU), each the fastest of 20 timed rounds: one library alone, or
-    a few calls, read below what the engines reach (at float32, ``F.linear`` alone read half
-    the packed matmul's rate on one run)."""
+    The best of ``F.linear`` (MKL at float32), oneDNN's linear on a weight packed once (what
+    vLLM runs on the CPU) and pagedserve's tiled kernel where it is built, each the fastest of
+    20 timed rounds: one library alone, or a few calls, read below what the engines reach (at
+    float32, ``F.linear`` alone read half the packed matmul's rate on one run)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoConfig
+
+    from pagedserve.kernels.linear import is_tiled, linear, pack_weight
 
     cfg = AutoConfig.from_pretrained(mdir)
     dt = getattr(torch, dtype)
@@ -289,6 +291,9 @@ def gemm_peak_flops(mdir: Path, dtype: str) -> float:
         calls.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
     except (AttributeError, RuntimeError):  # a torch build without oneDNN's linear
         pass
+    tiled = pack_weight(w)
+    if tiled is not None and is_tiled(tiled):
+        calls.append(lambda: linear(x, None, tiled))
     flops = 2 * x.shape[0] * w.shape[0] * w.shape[1]
     best = float("inf")
     with torch.inference_mode():

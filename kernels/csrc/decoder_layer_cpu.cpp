@@ -1,17 +1,18 @@
 // One Llama-family decoder layer in one call: the same operators, in the same order, as the
 // Python modules of pagedserve/workers/models/llama.py run them (the norms, rotary, cache write
-// and paged attention of this library; the four projections through oneDNN's packed matmul,
-// at::linear or the quantized kernels of kernels/quant_linear.py), so the result is the
-// modules' bit for bit. What it removes is the Python between them: about fifteen module
-// calls, wrapper checks and views a layer, which at decode batch sizes cost as much as the
-// arithmetic. The choice between int8 weight-only and dynamic activations repeats
+// and paged attention of this library; the four projections through the tiled matmul of
+// csrc/linear_cpu.cpp, oneDNN's packed matmul, at::linear or the quantized kernels of
+// kernels/quant_linear.py), so the result is the modules' bit for bit. What it removes is the
+// Python between them: about fifteen module calls, wrapper checks and views a layer, which at
+// decode batch sizes cost as much as the arithmetic. The choice between int8 weight-only and dynamic activations repeats
 // kernels/quant_linear.py's int8_linear (rows against weight_only_rows); the bit-for-bit tests
 // in tests/workers/test_quantized_model.py hold the two together.
 //
 //   decoder_layer(x [T, H], residual [T, H] or None, positions [T] int64, cos, sin [P, D/2],
 //                 input_norm [H], post_norm [H], eps,
 //                 weights, kinds (qkv [Q+2K, H], o [H, Q], gate_up [2I, H], down [H, I]: each
-//                 plain, oneDNN-packed, int8 or int4, held by one to three tensors),
+//                 plain, tiled (csrc/linear_cpu.cpp), oneDNN-packed, int8 or int4, held by one
+//                 to three tensors),
 //                 hadamard (per projection: rotate x in blocks of this many columns first,
 //                 0: not; an int8 weight quantized with its input rotated),
 //                 weight_only_rows, group_size (the quantized kernels' settings),
@@ -57,6 +58,10 @@ using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
 using HadamardRows = at::Tensor(const at::Tensor&, int64_t);
 using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               at::ScalarType);
+using LinearTiled = at::Tensor(const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&);
+using Int8LinearTiled = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const std::optional<at::Tensor>&);
 using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, std::string_view,
                                    c10::List<std::optional<at::Scalar>>,
@@ -83,10 +88,12 @@ const Ops& ops() {
 
 // How a projection's weight is held (kernels/decoder_layer.py's LINEAR_* constants), and how
 // many tensors of `weights` it takes.
-enum Kind : int64_t { kPlain = 0, kPacked = 1, kInt8 = 2, kInt8Dynamic = 3, kInt4 = 4 };
+enum Kind : int64_t {
+  kPlain = 0, kPacked = 1, kInt8 = 2, kInt8Dynamic = 3, kInt4 = 4, kTiled = 5, kInt8Tiled = 6
+};
 
 int64_t tensors_of(int64_t kind) {
-  return kind == kInt8 || kind == kInt8Dynamic ? 3 : kind == kInt4 ? 2 : 1;
+  return kind == kInt8 || kind == kInt8Dynamic || kind == kInt8Tiled ? 3 : kind == kInt4 ? 2 : 1;
 }
 
 // One projection, as kernels/linear.py's `linear` and kernels/quant_linear.py's
@@ -100,6 +107,14 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* w, int64_t kind, int
   switch (kind) {
     case kPlain:
       return at::linear(x, w[0], bias);
+    case kTiled: {  // csrc/linear_cpu.cpp
+      static const auto op = typed_op<LinearTiled>("pagedserve_cpu::linear_tiled");
+      return op.call(x, w[0], bias);
+    }
+    case kInt8Tiled: {  // w: codes tiled, offset [N] int32, col_scale [N] float32
+      static const auto op = typed_op<Int8LinearTiled>("pagedserve_cpu::int8_linear_tiled");
+      return op.call(x, w[0], w[1], w[2], bias);
+    }
     case kPacked: {  // a packed weight exists only where torch has this op
       static const auto op = typed_op<LinearPointwise>("mkldnn::_linear_pointwise");
       return op.call(x, w[0], bias, "none", c10::List<std::optional<at::Scalar>>(),

@@ -1,4 +1,5 @@
-"""The linear layers' packed CPU matmul against float64 torch, and the layers after packing."""
+"""The linear layers' packed CPU matmuls (the tiled kernel, oneDNN's) against float64 torch, and
+the layers after packing."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ import pytest
 import torch
 
 from pagedserve.kernels.cpu_caps import has_native_bf16
-from pagedserve.kernels.linear import PACK_MIN_ELEMENTS, linear, linear_ref, pack_weight, packs
+from pagedserve.kernels.linear import (
+    PACK_MIN_ELEMENTS,
+    is_tiled,
+    linear,
+    linear_ref,
+    pack_weight,
+    packs,
+    tile_weight,
+    tiles,
+    untile_weight,
+)
 from pagedserve.parallel.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -112,3 +123,62 @@ def test_packed_bf16_linear_matches_float64(rows) -> None:
     want = linear_ref(x.double(), w.double(), b.double())
     assert _rel(got, want) <= 2**-7
     assert _rel(got, linear_ref(x, w, b)) <= 2**-7
+
+
+# The tiled kernel's tolerance per dtype against float64 on the same inputs: float32 sums of a
+# few hundred products; bf16 products are exact and summed in float32, then rounded once.
+TILED_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-8}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64, 65, 130])
+@pytest.mark.parametrize("n,k", [(64, 32), (96, 200), (32, 14)])
+def test_tiled_linear_matches_float64(dtype, rows, n, k) -> None:
+    """Every row path of the kernel (one to four rows in one pass, blocks of up to eight, chunks
+    of 64) and an odd number of k steps, with and without a bias."""
+    if not tiles(dtype):
+        pytest.skip(f"no tiled {dtype} kernel in this build (needs AVX-512 / AVX512-BF16)")
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    packed = pack_weight(w)
+    assert packed is not None and is_tiled(packed)
+    assert torch.equal(untile_weight(packed), w)
+    for bias in (None, b):
+        got = linear(x, None, packed, bias)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        want = linear_ref(x.double(), w.double(), None if bias is None else bias.double())
+        assert _rel(got, want) <= TILED_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_linear_reads_views(dtype) -> None:
+    """Strided rows, an odd row stride and an odd start (bf16 reads k in 32-bit pairs), and
+    leading dims."""
+    if not tiles(dtype):
+        pytest.skip(f"no tiled {dtype} kernel in this build")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 48, generator=g).to(dtype)
+    packed = pack_weight(w)
+    wide = torch.randn(7, 97, generator=g).to(dtype)
+    for x in (wide[:, :48], wide[:, 1:49], wide[:, ::2][:, :48], wide[:3, 2:50]):
+        want = linear_ref(x.double(), w.double(), None)
+        assert _rel(linear(x, None, packed), want) <= TILED_TOL[dtype]
+    x3 = torch.randn(2, 3, 48, generator=g).to(dtype)
+    got = linear(x3, None, packed)
+    assert got.shape == (2, 3, 64)
+    assert _rel(got, linear_ref(x3.double(), w.double(), None)) <= TILED_TOL[dtype]
+
+
+def test_the_tiled_layout_and_who_takes_it() -> None:
+    w = torch.arange(64 * 6, dtype=torch.float32).view(64, 6)
+    t32 = tile_weight(w)
+    assert t32.shape == (2, 6, 32) and t32[1, 4, 3] == w[32 + 3, 4]
+    t16 = tile_weight(w.bfloat16())
+    assert t16.shape == (2, 3, 32, 2) and t16[1, 2, 5, 1] == w[32 + 5, 2 * 2 + 1].bfloat16()
+    assert torch.equal(untile_weight(t32), w) and torch.equal(untile_weight(t16), w.bfloat16())
+    # Shapes that do not tile (N not a multiple of 32; an odd K at bf16) go to oneDNN, if any.
+    for shape, dtype in (((40, 32), torch.float32), ((64, 33), torch.bfloat16)):
+        packed = pack_weight(torch.ones(shape, dtype=dtype))
+        assert packed is None or not is_tiled(packed)

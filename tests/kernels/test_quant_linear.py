@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedserve.kernels.cpu import cpu_ops
+from pagedserve.kernels.linear import tileable, tiles
 from pagedserve.kernels.quant_linear import (
     GROUP_SIZE,
     WEIGHT_ONLY_ROWS,
@@ -45,7 +46,8 @@ def test_int8_weight_only_matches_float64(rows, shape) -> None:
     w = torch.randn(n, k, generator=g)
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g)
-    q = quantize_int8(w)
+    q = quantize_int8(w, dynamic=False)  # weight-only at every row count
+    assert q.tiled is None
     assert q.qweight.dtype == torch.int8 and q.qweight.shape == (n, k)
     assert int(q.qweight.abs().max()) <= 127
     # the quantization itself: no weight further than half a step from the original
@@ -60,16 +62,20 @@ def test_int8_weight_only_matches_float64(rows, shape) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [WEIGHT_ONLY_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_ROWS + 1, 64])
 @pytest.mark.parametrize("shape", [(96, 64), (130, 256)])
 def test_int8_dynamic_matches_float64(rows, shape, dtype) -> None:
-    # Above WEIGHT_ONLY_ROWS the activations are quantized per row. Against the float64 run of
+    # The activations are quantized per row: at every row count where the weight is tiled
+    # (96 x 64, with AVX512-VNNI), above WEIGHT_ONLY_ROWS otherwise. Against the float64 run of
     # that arithmetic only the output's rounding separates them (float32: the scales' products;
     # bf16: 2**-8 of the output); against the unquantized activations, the activation rounding
     # (half a step of amax / 127 per element, summed over K) stays under BF16_REL.
     g = torch.Generator().manual_seed(rows)
     n, k = shape
     q = quantize_int8(torch.randn(n, k, generator=g))
+    assert (q.tiled is not None) == tileable(q.qweight)
+    if q.tiled is None and rows <= WEIGHT_ONLY_ROWS:
+        pytest.skip("an untiled weight is weight-only at this row count")
     x = torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
     got = int8_linear(x, q, b)
@@ -219,3 +225,24 @@ def test_int4_refuses_bad_shapes() -> None:
         pack_int4(big, torch.ones(16, 1), torch.zeros(16, 1))
     with pytest.raises(ValueError, match="divisible by 16"):
         pack_int4(torch.zeros(20, 32, dtype=torch.uint8), torch.ones(20, 1), torch.zeros(20, 1))
+
+
+@pytest.mark.skipif(not tiles(torch.int8), reason="no tiled int8 kernel (needs AVX512-VNNI)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hadamard", [0, 32])
+def test_tiled_int8_equals_the_unfused_dynamic_path(dtype, hadamard) -> None:
+    """The tiled kernel sums the same int8 products exactly and scales them in the same order
+    as quantize_rows_int8, torch._int_mm and dequantize_int32: the same result bit for bit, at
+    every row path of the kernel (one to four rows, blocks of eight, chunks of 64)."""
+    g = torch.Generator().manual_seed(hadamard)
+    w = torch.randn(96, 192, generator=g)
+    q = quantize_int8(w, hadamard=hadamard)
+    assert q.tiled is not None and q.plain is None
+    assert torch.equal(q.offset, 128 * q.qweight.sum(dim=1, dtype=torch.int32))
+    for rows in (1, 2, 3, 4, 5, 9, 64, 70):
+        x = (torch.randn(rows, 192, generator=g) * 3).to(dtype)
+        got = int8_linear(x, q)
+        xr = hadamard_rows(x, hadamard) if hadamard else x
+        codes, row_scale = quantize_rows_int8(xr)
+        want = dequantize_int32(torch._int_mm(codes, q.qweight.t()), row_scale, q.col_scale, dtype)
+        assert torch.equal(got, want), rows

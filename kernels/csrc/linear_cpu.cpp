@@ -1,0 +1,390 @@
+// The linear layers' matmul, y = x W^T (+ b), on a weight packed once into column tiles.
+//
+//   linear_tiled(x [T, K], w_tiled, bias [N] or None) -> [T, N] in x's dtype (= w's)
+//       bfloat16: w_tiled [N/32, K/2, 32, 2], w_tiled[t, p, c, j] = W[32 t + c, 2 p + j]
+//       float32:  w_tiled [N/32, K, 32],      w_tiled[t, k, c]    = W[32 t + c, k]
+//   int8_linear_tiled(x [T, K] float32 or bf16, q_tiled [N/32, K/4, 32, 4] int8,
+//                     offset [N] int32, col_scale [N] float32, bias [N] or None) -> [T, N]
+//       kernels/quant_linear.py's dynamic int8 path: x quantized per row (scale r), the int8
+//       products summed exactly, ((sum - offset) as float32 * r) * col_scale; offset = 128 x the
+//       column's code sum (see I8 below)
+//   linear_tiled_dtypes() -> int        which weight dtypes this build serves: 1 float32,
+//                                       2 bfloat16, 4 int8
+//
+// Why a kernel of our own: at one to a few rows (a decode step) a matmul reads every weight
+// once and does little arithmetic on it, so its speed is the speed of the weight stream; oneDNN's
+// matmul, called per row count, read a streamed weight at about two thirds of what a sum over
+// memory reaches here, and paid a fixed cost per call that a 30-layer model pays 121 times a
+// token. One tile is 32 output columns over the whole K: each step of the K loop reads 128
+// contiguous bytes (two 512-bit vectors: 32 columns x 2 k in bf16, 32 columns x 1 k in float32),
+// a thread reads its tiles as one contiguous stream, and the stream is prefetched 32 KiB ahead,
+// which measured 1.2-1.4x over leaving it to the hardware prefetcher.
+//
+// Arithmetic: bf16 weights multiply bf16 activations with vdpbf16ps (each product exact in
+// float32, pairs of k summed in float32), float32 with FMA; both accumulate in float32 and round
+// the result once to x's dtype (bf16: round to nearest even). int8 codes multiply int8
+// activation codes with vpdpbusd (four k a lane, exact int32 sums), so its result is the
+// unfused path's (torch._int_mm, then dequantize_int32) exactly, up to where the bias is added.
+// The bias is added in float32 before the rounding. Summation order differs from oneDNN's and MKL's; the parity tests
+// (tests/kernels/test_linear.py) hold it to float64 at each dtype's tolerance.
+//
+// Rows: up to four rows share one pass over a tile, with two accumulator chains per vector (odd
+// and even k steps) so that a single row still keeps four multiply-adds in flight. Beyond four,
+// rows go in blocks of eight (sixteen chains), 64 rows at a time against each tile, so that a
+// chunk's activations stay in L2 while the tiles stream past; the work items are (row chunk,
+// tile) pairs, chunk-major, split between the threads.
+//
+// Built only where the compiler targets AVX-512 (F for float32, BF16 for bf16, VNNI for int8);
+// elsewhere linear_tiled_dtypes() leaves the bit out and kernels/linear.py and
+// kernels/quant_linear.py keep oneDNN's, torch's or aten's quantized matmuls.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 32;        // output columns per tile
+constexpr int64_t kStepBytes = 128;  // bytes of a tile per step of the K loop
+constexpr int64_t kPrefetchBytes = 32 * 1024;
+constexpr int64_t kChunkRows = 64;
+constexpr int kBlockRows = 8;
+constexpr int kFewRows = 4;
+
+#if defined(__AVX512F__)
+
+// What a step of K is for each weight dtype, and how a row of x takes part in it. Accumulators
+// are __m512 throughout (int32 lanes for int8, reinterpreted).
+struct F32 {
+  using W = float;
+  using X = float;
+  static constexpr int64_t kPerStep = 1;  // k values per step
+  static __m512 bcast(const float* x, int64_t p) { return _mm512_set1_ps(x[p]); }
+  static __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+  static __m512 combine(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+};
+
+#if defined(__AVX512BF16__)
+struct BF16 {
+  using W = uint16_t;
+  using X = uint16_t;
+  static constexpr int64_t kPerStep = 2;
+  // x's k pair (2p, 2p + 1) as one 32-bit lane, in every lane
+  static __m512 bcast(const uint16_t* x, int64_t p) {
+    uint32_t pair;
+    __builtin_memcpy(&pair, x + 2 * p, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+  }
+  static __m512 madd(__m512 acc, __m512 w, __m512 x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+  }
+  static __m512 combine(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+};
+#endif
+
+#if defined(__AVX512VNNI__)
+// int8 codes against int8 activations, summed exactly in int32 by vpdpbusd, which multiplies
+// unsigned by signed bytes: the activation codes go in offset by 128 (q ^ 0x80 is q + 128 as an
+// unsigned byte), and the epilogue takes 128 x the column's code sum back off.
+struct I8 {
+  using W = int8_t;
+  using X = int8_t;
+  static constexpr int64_t kPerStep = 4;
+  static __m512 bcast(const int8_t* x, int64_t p) {
+    uint32_t quad;
+    __builtin_memcpy(&quad, x + 4 * p, sizeof quad);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(quad ^ 0x80808080u)));
+  }
+  static __m512 madd(__m512 acc, __m512 w, __m512 x) {
+    return _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc),
+                                                   _mm512_castps_si512(x),
+                                                   _mm512_castps_si512(w)));
+  }
+  static __m512 combine(__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }
+};
+#endif
+
+// Output elements: float32, or bf16 rounded to nearest even.
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+inline void store16(uint16_t* o, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 load16(const float* b) { return _mm512_loadu_ps(b); }
+inline __m512 load16(const uint16_t* b) {  // widened exactly
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Writes a row's 32 columns from its two float32 accumulators, plus the bias.
+template <class T>
+struct Plain {
+  T* out;
+  int64_t os;
+  const T* bias;  // [N] or null
+  void store(int64_t row, int64_t col, __m512 lo, __m512 hi) const {
+    if (bias != nullptr) {
+      lo = _mm512_add_ps(lo, load16(bias + col));
+      hi = _mm512_add_ps(hi, load16(bias + col + 16));
+    }
+    store16(out + row * os + col, lo);
+    store16(out + row * os + col + 16, hi);
+  }
+};
+
+// The int8 epilogue: (sum - 128 colsum) as float32, times the row's scale, times the column's
+// (two roundings, in dequantize_int32's order), plus the bias.
+template <class T>
+struct Dequant {
+  T* out;
+  int64_t os;
+  const T* bias;
+  const int32_t* offset;  // [N] 128 x the column's code sum
+  const float* col_scale;  // [N]
+  const float* row_scale;  // [T]
+  __m512 half(int64_t row, int64_t col, __m512 acc) const {
+    const __m512i exact = _mm512_sub_epi32(_mm512_castps_si512(acc),
+                                           _mm512_loadu_si512(offset + col));
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(row_scale[row]));
+    v = _mm512_mul_ps(v, _mm512_loadu_ps(col_scale + col));
+    return bias != nullptr ? _mm512_add_ps(v, load16(bias + col)) : v;
+  }
+  void store(int64_t row, int64_t col, __m512 lo, __m512 hi) const {
+    store16(out + row * os + col, half(row, col, lo));
+    store16(out + row * os + col + 16, half(row, col + 16, hi));
+  }
+};
+
+// Up to four rows over one tile: w the tile, steps = K / kPerStep, x's rows xs elements apart,
+// writing rows row0.. at column col.
+template <class D, int M, class Out>
+void few_rows(const typename D::W* w, int64_t steps, const typename D::X* x, int64_t xs,
+              const Out& out, int64_t row0, int64_t col) {
+  constexpr int64_t kVec = 64 / sizeof(typename D::W);  // elements per vector
+  __m512 acc[M][2][2];                                  // [row][vector][k step parity]
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 2; ++v) acc[m][v][0] = acc[m][v][1] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 2 <= steps; p += 2) {
+    const auto* s = w + p * 2 * kVec;
+    const char* ahead = reinterpret_cast<const char*>(s) + kPrefetchBytes;
+    for (int64_t line = 0; line < 2 * kStepBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + kVec);
+    const __m512 b0 = _mm512_loadu_ps(s + 2 * kVec), b1 = _mm512_loadu_ps(s + 3 * kVec);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xa = D::bcast(x + m * xs, p), xb = D::bcast(x + m * xs, p + 1);
+      acc[m][0][0] = D::madd(acc[m][0][0], a0, xa);
+      acc[m][1][0] = D::madd(acc[m][1][0], a1, xa);
+      acc[m][0][1] = D::madd(acc[m][0][1], b0, xb);
+      acc[m][1][1] = D::madd(acc[m][1][1], b1, xb);
+    }
+  }
+  if (p < steps) {
+    const auto* s = w + p * 2 * kVec;
+    const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + kVec);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xa = D::bcast(x + m * xs, p);
+      acc[m][0][0] = D::madd(acc[m][0][0], a0, xa);
+      acc[m][1][0] = D::madd(acc[m][1][0], a1, xa);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    out.store(row0 + m, col, D::combine(acc[m][0][0], acc[m][0][1]),
+              D::combine(acc[m][1][0], acc[m][1][1]));
+}
+
+// A block of R rows over one tile, one chain per (row, vector).
+template <class D, int R, class Out>
+void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, int64_t xs,
+               const Out& out, int64_t row0, int64_t col) {
+  constexpr int64_t kVec = 64 / sizeof(typename D::W);
+  __m512 acc[R][2];
+  for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < steps; ++p) {
+    const auto* s = w + p * 2 * kVec;
+    const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + kVec);
+    for (int m = 0; m < R; ++m) {
+      const __m512 xa = D::bcast(x + m * xs, p);
+      acc[m][0] = D::madd(acc[m][0], a0, xa);
+      acc[m][1] = D::madd(acc[m][1], a1, xa);
+    }
+  }
+  for (int m = 0; m < R; ++m) out.store(row0 + m, col, acc[m][0], acc[m][1]);
+}
+
+// row_block<D, rows> for a run-time rows in [1, R].
+template <class D, int R, class Out>
+void row_block_of(int rows, const typename D::W* w, int64_t steps, const typename D::X* x,
+                  int64_t xs, const Out& out, int64_t row0, int64_t col) {
+  if constexpr (R > 0) {
+    if (rows == R) return row_block<D, R>(w, steps, x, xs, out, row0, col);
+    row_block_of<D, R - 1>(rows, w, steps, x, xs, out, row0, col);
+  }
+}
+
+// x [t, K] (rows xs elements apart) against the tiled weight w of `tiles` tiles.
+template <class D, class Out>
+void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typename D::W* wp,
+         int64_t tiles, const Out& out) {
+  const int64_t steps = k / D::kPerStep;
+  const int64_t tile_elems = steps * kStepBytes / sizeof(typename D::W);
+  // A call of fewer than ~32K weight elements runs on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, tile_elems));
+  if (t <= kFewRows) {
+    at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const auto* wt = wp + i * tile_elems;
+        switch (t) {
+          case 1: few_rows<D, 1>(wt, steps, xp, xs, out, 0, i * kTile); break;
+          case 2: few_rows<D, 2>(wt, steps, xp, xs, out, 0, i * kTile); break;
+          case 3: few_rows<D, 3>(wt, steps, xp, xs, out, 0, i * kTile); break;
+          default: few_rows<D, 4>(wt, steps, xp, xs, out, 0, i * kTile); break;
+        }
+      }
+    });
+    return;
+  }
+  const int64_t chunks = (t + kChunkRows - 1) / kChunkRows;
+  at::parallel_for(0, chunks * tiles, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t c = i / tiles, tile = i % tiles;
+      const auto* wt = wp + tile * tile_elems;
+      const int64_t end = std::min(t, (c + 1) * kChunkRows);
+      for (int64_t r = c * kChunkRows; r < end; r += kBlockRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, end - r));
+        row_block_of<D, kBlockRows>(rows, wt, steps, xp + r * xs, xs, out, r, tile * kTile);
+      }
+    }
+  });
+}
+
+#endif  // __AVX512F__
+
+// Which weight dtypes this build serves (kernels/linear.py and kernels/quant_linear.py ask).
+int64_t linear_tiled_dtypes() {
+  int64_t served = 0;
+#if defined(__AVX512F__)
+  served |= 1;
+#endif
+#if defined(__AVX512BF16__)
+  served |= 2;
+#endif
+#if defined(__AVX512VNNI__)
+  served |= 4;
+#endif
+  return served;
+}
+
+int64_t dtype_bit(at::ScalarType w) {
+  return w == at::kFloat ? 1 : w == at::kBFloat16 ? 2 : w == at::kChar ? 4 : 0;
+}
+
+// The checks both ops share: x [T, K] against a tiled weight of `per_step` k per step.
+void check_tiled(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                 const char* op) {
+  TORCH_CHECK(linear_tiled_dtypes() & dtype_bit(w.scalar_type()), op,
+              ": this build has no tiled kernel for ", w.scalar_type());
+  const int64_t per_step = w.scalar_type() == at::kFloat ? 1 : w.size(-1);
+  TORCH_CHECK(w.is_contiguous() && w.dim() == (per_step == 1 ? 3 : 4) && w.size(2) == kTile,
+              op, ": w must be a contiguous tiled weight");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, ": x [T, K] float32 or bfloat16");
+  TORCH_CHECK(w.size(1) * per_step == x.size(1), op, ": x has ", x.size(1),
+              " columns, the weight ", w.size(1) * per_step);
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == w.size(0) * kTile &&
+                                    bias->scalar_type() == x.scalar_type()),
+              op, ": bias [N] in x's dtype, contiguous");
+}
+
+template <class T>
+const T* bias_ptr(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
+}
+
+at::Tensor linear_tiled(const at::Tensor& x_in, const at::Tensor& w,
+                        const std::optional<at::Tensor>& bias) {
+  check_tiled(x_in, w, bias, "linear_tiled");
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x_in.scalar_type() == w.scalar_type(), "linear_tiled: x in the weight's dtype");
+  // bf16 rows are read as 32-bit k pairs: unit stride, an even row stride, a 4-byte start.
+  const bool readable = x_in.stride(1) == 1 &&
+                        (!bf16 || (x_in.stride(0) % 2 == 0 &&
+                                   reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 4 == 0));
+  const at::Tensor x = readable ? x_in : x_in.contiguous();
+  const int64_t t = x.size(0), k = x.size(1), tiles = w.size(0), n = tiles * kTile;
+  at::Tensor out = at::empty({t, n}, x.options());
+  if (t == 0) return out;
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  if (bf16) {
+    using E = uint16_t;
+    run<BF16>(static_cast<const E*>(x.data_ptr()), t, x.stride(0), k,
+              static_cast<const E*>(w.data_ptr()), tiles,
+              Plain<E>{static_cast<E*>(out.data_ptr()), n, bias_ptr<E>(bias)});
+    return out;
+  }
+#endif
+  run<F32>(x.data_ptr<float>(), t, x.stride(0), k, w.data_ptr<float>(), tiles,
+           Plain<float>{out.data_ptr<float>(), n, bias_ptr<float>(bias)});
+#endif
+  return out;
+}
+
+using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
+
+// x quantized per row (csrc/quant_cpu.cpp's quantize_rows_int8), times the int8 codes w, through
+// the Dequant epilogue: kernels/quant_linear.py's dynamic path in one call.
+at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offset,
+                             const at::Tensor& col_scale, const std::optional<at::Tensor>& bias) {
+  check_tiled(x, w, bias, "int8_linear_tiled");
+  const int64_t t = x.size(0), k = x.size(1), tiles = w.size(0), n = tiles * kTile;
+  TORCH_CHECK(offset.scalar_type() == at::kInt && offset.is_contiguous() && offset.numel() == n &&
+                  col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
+                  col_scale.numel() == n,
+              "int8_linear_tiled: offset [N] int32 and col_scale [N] float32, contiguous");
+  at::Tensor out = at::empty({t, n}, x.options());
+  if (t == 0) return out;
+#if defined(__AVX512VNNI__)
+  static const auto quantize = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("pagedserve_cpu::quantize_rows_int8", "")
+                                   .typed<QuantizeRows>();
+  const auto [q, row_scale] = quantize.call(x.stride(1) == 1 ? x : x.contiguous());
+  auto go = [&](auto* o) {
+    using E = std::remove_pointer_t<decltype(o)>;
+    run<I8>(q.data_ptr<int8_t>(), t, k, k, w.data_ptr<int8_t>(), tiles,
+            Dequant<E>{o, n, bias_ptr<E>(bias), offset.data_ptr<int32_t>(),
+                       col_scale.data_ptr<float>(), row_scale.data_ptr<float>()});
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    go(static_cast<uint16_t*>(out.data_ptr()));
+  } else {
+    go(out.data_ptr<float>());
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
+  lib.def("linear_tiled(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  lib.def("int8_linear_tiled(Tensor x, Tensor w, Tensor offset, Tensor col_scale, Tensor? bias) "
+          "-> Tensor");
+  lib.impl("int8_linear_tiled", c10::DispatchKey::CPU, int8_linear_tiled);
+  lib.def("linear_tiled_dtypes() -> int", linear_tiled_dtypes);
+  lib.impl("linear_tiled", c10::DispatchKey::CPU, linear_tiled);
+}
