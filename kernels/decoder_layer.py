@@ -45,8 +45,9 @@ def projection(
     weight: torch.Tensor | None, packed: torch.Tensor | None, quant: Int8Weight | Int4Weight | None
 ) -> tuple[int, tuple[torch.Tensor, ...]]:
     """(kind, tensors) of one projection, held as ``parallel.linear`` holds it: its plain
-    weight, oneDNN-packed copy or quantized weight; the kernel chosen per call is the one
-    ``kernels.linear.linear`` or ``kernels.quant_linear.quantized_linear`` would choose."""
+    weight, packed copy (tiled or oneDNN's) or quantized weight; the kernel chosen per call is
+    the one ``kernels.linear.linear`` or ``kernels.quant_linear.quantized_linear`` would
+    choose."""
     if isinstance(quant, Int8Weight) and quant.tiled is not None:
         return LINEAR_INT8_TILED, (quant.tiled, quant.offset, quant.col_scale)
     if isinstance(quant, Int8Weight):

@@ -74,8 +74,8 @@ class _PackableWeight(nn.Module):
 
 def pack_weights(model: nn.Module) -> int:
     """Pack every linear weight of a loaded model where the CPU path exists; returns how many
-    were packed (0 on GPU, in other dtypes, or without oneDNN; weights under
-    ``PACK_MIN_ELEMENTS`` stay plain)."""
+    were packed (0 on GPU, in other dtypes, or with neither the tiled kernel nor oneDNN;
+    weights under ``PACK_MIN_ELEMENTS`` stay plain)."""
     return sum(m.pack() for m in model.modules() if isinstance(m, _PackableWeight))
 
 

@@ -1,12 +1,13 @@
 """Where a step's time goes: a py-spy sampling profile of the in-process engine on the peers
 workload (``benchmarks/scripts/peers.py``), each sample filed under the innermost part it is in.
 
-Parts: the linear layers (GEMMs, lm head included), attention split into the compiled CPU
-kernel (float32), or on the torch path the K/V gather through the block table, the attention
-math, the scatter of its output and the plan (indices, masks), the cache write, norms, rotary,
-the activation, the embedding, per-layer Python (module calls, views), sampling, input
-preparation (the model runner), the scheduler, the controller's output building and
-detokenization. Samples outside the engine's step loop (start-up, model loading)
+Parts: the linear layers (GEMMs, lm head included), attention split into the compiled CPU kernel
+(float32), or on the torch path the K/V gather through the block table, the attention math, the
+scatter of its output and the plan (indices, masks), the cache write, norms, rotary, the
+activation, the embedding, per-layer Python (module calls, views), sampling, input preparation (the
+model runner), the scheduler, the controller's output building and detokenization; a layer that
+runs as one compiled call (``kernels/decoder_layer.py``) is one part, which ``layer_step.py
+--profile`` splits by operator. Samples outside the engine's step loop (start-up, model loading)
 are left out. py-spy is ``pip install py-spy``; the profiled process runs ``generate`` once.
 
     python benchmarks/scripts/profile_step.py --model llama-22m
@@ -35,6 +36,8 @@ _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 # (part, function name, file suffix or None); the innermost frame that matches names the part.
 RULES: list[tuple[str, str, str | None]] = [
     ("sampling", "Sampler.", "workers/sampler.py"),
+    ("compiled decoder layers (matmuls, attention, pointwise; layer_step.py --profile splits "
+     "them)", "decoder_layer", "kernels/decoder_layer.py"),
     ("attention: compiled CPU kernel", "cpu_paged_attention", "kernels/cpu.py"),
     ("attention: plan (indices, masks)", "", "kernels/reference.py:plan"),
     ("attention: math (SDPA / matmul)", "_attend", "kernels/reference.py"),

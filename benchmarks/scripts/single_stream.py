@@ -55,9 +55,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def weight_bytes(mdir: Path, dtype: str) -> int:
+def weight_bytes(mdir: Path, dtype: str, quantization: str = "none") -> int:
     """The bytes a batch-1 decode step reads: every parameter but the input embedding (one row
-    of it is read; a tied LM head reads the table once, as the head)."""
+    of it is read; a tied LM head reads the table once, as the head); with ``int8`` every
+    matrix (the projections and the head) at one byte an element."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -67,7 +68,11 @@ def weight_bytes(mdir: Path, dtype: str) -> int:
     n = sum(p.numel() for p in m.parameters())  # tied weights are listed once
     tied = m.get_output_embeddings().weight is emb
     per = 2 if dtype == "bfloat16" else 4
-    return (n - (0 if tied else emb.numel())) * per
+    total = (n - (0 if tied else emb.numel())) * per
+    if quantization == "int8":
+        matrices = sum(p.numel() for p in m.parameters() if p.dim() == 2)
+        total -= (matrices - (0 if tied else emb.numel())) * (per - 1)
+    return total
 
 
 def distinct(prompt: list[int]):
@@ -170,7 +175,7 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(3, vocab) for _ in range(args.prompt)]  # ids 0-2: special
     roof = read_bandwidth_gbs()
-    wbytes = weight_bytes(mdir, args.dtype)
+    wbytes = weight_bytes(mdir, args.dtype, args.quantization)
     rows = [f"model `{args.model}`, {args.dtype} (pagedserve quantization {args.quantization}), "
             f"one request: {args.prompt}-token prompt, {args.new} new tokens, greedy, best of "
             f"{args.repeats}; weights read per decode step {wbytes / 1e6:.0f} MB; read "
