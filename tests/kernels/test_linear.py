@@ -103,6 +103,8 @@ def test_packing_a_model_replaces_weights_and_keeps_outputs() -> None:
     assert col.weight is None and row.weight is None and col.packed is not None
     assert small.packed is None and small.weight is not None
     assert head.weight is emb.weight and head.packed is not None
+    # Shapes of 32 | out take the tiled kernel wherever the build has it.
+    assert is_tiled(col.packed) == is_tiled(row.packed) == tiles(torch.float32)
     for got, want in zip(run(), before, strict=True):
         assert got.shape == want.shape
         assert _rel(got, want) <= 1e-5
