@@ -99,4 +99,4 @@ def rotate_residual_stream(model: nn.Module, seed: int = 0) -> None:
         _fold_norm_into(layer.post_attention_layernorm, [mlp.gate_up_proj.weight.data], q)
         _rotate_output(attn.o_proj, q)
         _rotate_output(mlp.down_proj, q)
-    inner.residual_rotation = q.float()
+    inner.set_residual_rotation(q)
