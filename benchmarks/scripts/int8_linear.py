@@ -42,12 +42,21 @@ def _dynamic(x: torch.Tensor, codes: torch.Tensor, w: ql.Int8Weight) -> torch.Te
 
 
 def _calls(x: torch.Tensor, wb: torch.Tensor, w8: ql.Int8Weight) -> list[Callable[[], object]]:
-    """The kernels of ``KERNELS`` on rows ``x``, in order (a layout this build lacks runs
-    ``F.linear`` in its column)."""
-    onednn = torch.ops.mkldnn._reorder_linear_weight(wb, None)
+    """The kernels of ``KERNELS`` on rows ``x``, in order (where this build lacks oneDNN's bf16
+    matmul or the tiled kernel, its column runs what ``linear`` runs instead)."""
+    try:  # oneDNN refuses a bf16 reorder on a CPU without bf16 instructions
+        onednn = torch.ops.mkldnn._reorder_linear_weight(wb, None)
+    except RuntimeError:
+        onednn = None
     tiled = pack_weight(wb)
     codes = w8.qweight  # the plain codes, rebuilt once
-    return [lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+
+    def bf16_onednn() -> object:
+        if onednn is None:
+            return linear(x, wb, None)
+        return torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+
+    return [bf16_onednn,
             lambda: linear(x, wb if tiled is None else None, tiled),
             lambda: torch.ops.aten._weight_int8pack_mm(x, codes, w8.scale),
             lambda: _dynamic(x, codes, w8),

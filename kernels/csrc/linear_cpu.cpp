@@ -300,8 +300,11 @@ void check_tiled(const at::Tensor& x, const at::Tensor& w, const std::optional<a
                  const char* op) {
   TORCH_CHECK(linear_tiled_dtypes() & dtype_bit(w.scalar_type()), op,
               ": this build has no tiled kernel for ", w.scalar_type());
-  const int64_t per_step = w.scalar_type() == at::kFloat ? 1 : w.size(-1);
-  TORCH_CHECK(w.is_contiguous() && w.dim() == (per_step == 1 ? 3 : 4) && w.size(2) == kTile,
+  // k per step of the K loop: the layout's last dim (float32 has none)
+  const at::ScalarType wt = w.scalar_type();
+  const int64_t per_step = wt == at::kFloat ? 1 : wt == at::kBFloat16 ? 2 : 4;
+  TORCH_CHECK(w.is_contiguous() && w.dim() == (per_step == 1 ? 3 : 4) && w.size(2) == kTile &&
+                  (per_step == 1 || w.size(3) == per_step),
               op, ": w must be a contiguous tiled weight");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x [T, K] float32 or bfloat16");
@@ -352,6 +355,7 @@ using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
 // the Dequant epilogue: kernels/quant_linear.py's dynamic path in one call.
 at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offset,
                              const at::Tensor& col_scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kChar, "int8_linear_tiled: w must hold int8 codes");
   check_tiled(x, w, bias, "int8_linear_tiled");
   const int64_t t = x.size(0), k = x.size(1), tiles = w.size(0), n = tiles * kTile;
   TORCH_CHECK(offset.scalar_type() == at::kInt && offset.is_contiguous() && offset.numel() == n &&

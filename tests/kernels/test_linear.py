@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.kernels.cpu import cpu_ops
 from pagedserve.kernels.cpu_caps import has_native_bf16
 from pagedserve.kernels.linear import (
     PACK_MIN_ELEMENTS,
@@ -184,3 +185,31 @@ def test_the_tiled_layout_and_who_takes_it() -> None:
     for shape, dtype in (((40, 32), torch.float32), ((64, 33), torch.bfloat16)):
         packed = pack_weight(torch.ones(shape, dtype=dtype))
         assert packed is None or not is_tiled(packed)
+
+
+def test_the_tiled_ops_refuse_what_they_cannot_read() -> None:
+    """A clear error, never a wrong product: columns that do not match the weight, a dtype the
+    op does not take, a weight not in the tiled layout, a bias of another length."""
+    if not tiles(torch.float32):
+        pytest.skip("no tiled kernel in this build")
+    ops = cpu_ops()
+    w = pack_weight(torch.randn(64, 48))
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.linear_tiled(torch.randn(2, 40), w, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.linear_tiled(torch.randn(2, 48, dtype=torch.float64), w, None)
+    with pytest.raises(RuntimeError, match="tiled weight"):
+        ops.linear_tiled(torch.randn(2, 48), torch.randn(64, 48), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear_tiled(torch.randn(2, 48), w, torch.randn(63))
+    if tiles(torch.int8):
+        offset, scale = torch.zeros(64, dtype=torch.int32), torch.ones(64)
+        with pytest.raises(RuntimeError, match="int8 codes"):
+            ops.int8_linear_tiled(torch.randn(2, 48), w, offset, scale, None)
+        codes = tile_weight(torch.ones(64, 48, dtype=torch.int8))
+        with pytest.raises(RuntimeError, match="offset"):
+            ops.int8_linear_tiled(torch.randn(2, 48), codes, offset[:32], scale, None)
+    if tiles(torch.bfloat16):  # four k a step, as int8 codes lie, but in bf16
+        with pytest.raises(RuntimeError, match="tiled weight"):
+            ops.linear_tiled(torch.randn(2, 48).bfloat16(),
+                             torch.zeros(2, 12, 32, 4, dtype=torch.bfloat16), None)
