@@ -211,6 +211,11 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     """``fcfs``: first come, first served; ``priority``: by each request's ``priority`` (lower
     first), then arrival, and the KV cache's victim is the lowest-priority request running."""
+    async_scheduling: bool = True
+    """Schedule each step while the one before it runs, where the executor can overlap them
+    (one Ray worker rank): the controller's share of a step leaves the critical path. Steps
+    run one at a time under speculative decoding or while a structured-output request runs,
+    and the step after one that adds requests waits for it."""
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)

@@ -29,6 +29,11 @@ from pagedserve.sampling_params import StructuredOutputsParams as StructuredOutp
 # --------------------------------------------------------------------------------------------
 # Controller <-> workers
 
+PLACEHOLDER_TOKEN = -1
+"""In ``CachedRequestData.new_token_ids``: the token the workers sampled for this request in
+an earlier step whose output the controller had not yet received when it scheduled this one
+(async scheduling). Each worker writes its own sample there."""
+
 
 @dataclass(frozen=True, slots=True)
 class LayerKVSpec:
@@ -95,7 +100,8 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
-    """Tokens appended since the request was last scheduled (the last sampled one, usually)."""
+    """Tokens appended since the request was last scheduled (the last sampled one, usually),
+    then a ``PLACEHOLDER_TOKEN`` for each sample still in flight."""
     new_block_ids: list[list[list[int]] | None] = field(default_factory=list)
     """Per request, per group, the block ids appended since last step; None when none were."""
     num_computed_tokens: list[int] = field(default_factory=list)

@@ -11,10 +11,11 @@ Build (``initialize`` + ``init_kv_cache``, and again on ``restart``):
 4. ``init_kv_cache``: every rank allocates the pool; then the ``StepChannel`` is bound on the
    controller's node IP, port 0, every rank starts ``run`` and the handshake completes.
 
-Per step, ``execute`` broadcasts the ``SchedulerOutput`` and waits for the output rank's reply in
-short slices, checking between them whether a rank's ``run`` ref has finished (a silent death
-is noticed in about a second); a monitor does the same between steps. A failure becomes one
-``WorkerGroupError`` naming the root-cause rank and node; the group is killed at once.
+Per step, ``submit`` broadcasts the ``SchedulerOutput`` and ``collect`` (maybe after the next
+step's ``submit``: async scheduling) waits for the output rank's reply in short slices, checking
+between them whether a rank's ``run`` ref has finished (a silent death is noticed in about a
+second); a monitor does the same between steps. A failure becomes one ``WorkerGroupError``
+naming the root-cause rank and node; the group is killed at once.
 
 Every other call into the workers is ``collective_rpc``: one generic actor method that calls the
 ``Worker`` method of that name on each rank (on the actors' default thread during the build, on
@@ -77,6 +78,7 @@ class RayExecutor:
     ) -> None:
         self.config = config
         self.world_size = config.parallel.world_size
+        self.overlaps_steps = self.world_size == 1  # placeholders take the rank's own samples
         self.placement_timeout_s = placement_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.step_timeout_s = step_timeout_s
@@ -119,16 +121,24 @@ class RayExecutor:
             raise
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Send a step to every rank; ``collect`` waits for its output."""
         self._raise_if_failed()
         chan = self._channel
         if chan is None:
             raise RuntimeError("RayExecutor: init_kv_cache() must run before execute()")
         try:
             chan.broadcast(scheduler_output)
-        except RankDisconnectedError as exc:
-            raise self._fail(self._dead_rank(1.0) or self._error(exc.rank, str(exc))) from exc
-        except StepTimeoutError as exc:
-            raise self._fail(self._dead_rank(1.0) or self._error(-1, str(exc))) from exc
+        except (RankDisconnectedError, StepTimeoutError) as exc:
+            rank = exc.rank if isinstance(exc, RankDisconnectedError) else -1
+            raise self._fail(self._dead_rank(1.0) or self._error(rank, str(exc))) from exc
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted and not yet collected."""
+        assert (chan := self._channel) is not None, "collect() before submit()"
         deadline = time.monotonic() + self.step_timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -162,11 +172,8 @@ class RayExecutor:
     def _rpc(self, actors: list[Any], method: str, args: Sequence[Any] = (),
              kwargs: dict[str, Any] | None = None) -> list[Any]:
         group = "rpc" if self._channel is not None else None  # the loops hold the default one
-        refs = [
-            a.collective_rpc.options(concurrency_group=group).remote(method, args, kwargs)
-            for a in actors
-        ]
-        return self._gather(refs, method)
+        calls = [a.collective_rpc.options(concurrency_group=group) for a in actors]
+        return self._gather([c.remote(method, args, kwargs) for c in calls], method)
 
     def shutdown(self) -> None:
         """Stop the loops, kill every rank, close the channel. Idempotent."""
@@ -340,11 +347,9 @@ class RayExecutor:
         return gather_ranks(refs, what, self.ready_timeout_s, self._error)
 
     def _start_monitor(self) -> None:
-        self._monitor_stop = threading.Event()
-        stop = self._monitor_stop
-        self._monitor = threading.Thread(
-            target=self._monitor_loop, args=(stop,), name="pagedserve-rank-monitor", daemon=True
-        )
+        self._monitor_stop = stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_loop, args=(stop,),
+                                         name="pagedserve-rank-monitor", daemon=True)
         self._monitor.start()
 
     def _monitor_loop(self, stop: threading.Event) -> None:
@@ -364,10 +369,9 @@ class RayExecutor:
 
     def _stop_monitor(self) -> None:
         self._monitor_stop.set()
-        mon = self._monitor
+        mon, self._monitor = self._monitor, None
         if mon is not None and mon is not threading.current_thread():
             mon.join(timeout=self.monitor_interval_s + 5.0)
-        self._monitor = None
 
     def _kill_actors(self) -> None:
         if not ray.is_initialized():

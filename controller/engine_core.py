@@ -8,36 +8,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Collection
 
 from pagedserve.config import EngineConfig
+from pagedserve.controller import recovery
 from pagedserve.controller.admission import check_admission
 from pagedserve.controller.drafts.drafter import Drafter, make_proposer
 from pagedserve.controller.engine_stats import engine_stats
-from pagedserve.controller.errors import (
-    DuplicateRequestError,
-    EngineDeadError,
-    RequestFailedError,
-)
+from pagedserve.controller.errors import DuplicateRequestError, EngineDeadError
 from pagedserve.controller.executor import Executor, WorkerGroupError
 from pagedserve.controller.kv_plan import plan_kv_cache, resolve_max_model_len
-from pagedserve.controller.outputs import RequestGroup, failed_delta
-from pagedserve.controller.recovery import (
-    count_failure,
-    fail_all,
-    fail_over_limit,
-    live_heads,
-    resume,
-)
+from pagedserve.controller.outputs import RequestGroup
 from pagedserve.controller.rejected import fail_rejected
 from pagedserve.controller.request import RequestStatus, request_group, sequence_ids
 from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.controller.resume import resume_group
 from pagedserve.controller.scheduler import Scheduler, StepHook
-from pagedserve.controller.structured_output import GrammarGate, grammar_text
+from pagedserve.controller.structured_output import GrammarGate, admit_compiled, grammar_text
 from pagedserve.controller.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from pagedserve.kv import BlockHasher
-from pagedserve.messages import AddRequest, RequestDelta
+from pagedserve.messages import AddRequest, ModelRunnerOutput, RequestDelta, SchedulerOutput
 
 __all__ = ["EngineCore"]
 
@@ -95,6 +86,12 @@ class EngineCore:
         self._kv_integrity_ok = 1
         self._kv_checks = 0
         self._grammars: GrammarGate | None = None  # made by the first constrained request
+        # Steps handed to the executor and not yet taken in, oldest first, with the output if
+        # the executor ran it at once. Two at most (async scheduling, ``_may_overlap``).
+        self._in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput | None]] = deque()
+        self._num_overlapped = 0
+        overlaps = getattr(executor, "overlaps_steps", False)  # see ``Executor``
+        self._overlap = config.scheduler.async_scheduling and overlaps
         spec = config.speculative
         self.drafter = None if spec.method is None else Drafter(
             make_proposer(spec), spec.num_speculative_tokens, spec.disable_by_batch_size,
@@ -166,15 +163,14 @@ class EngineCore:
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestDelta]:
-        """Schedule, execute and update once. Returns a delta for every request that got a
-        token or finished this step.
-
-        When the worker group fails, the requests in flight go back to the waiting queue
-        (no delta) and the group is rebuilt by a later call, after the backoff. A request
-        that ran through more than ``max_failures_per_request`` failures ends with an
-        ``error`` delta (``RequestFailedError``) naming the rank and node; once the restart
-        policy gives up every request does (``EngineDeadError``), and later calls raise
-        ``EngineDeadError``.
+        """Schedule, execute and update once (with async scheduling: schedule and submit the
+        next step, then take in the one before). Returns a delta for every request that got
+        a token or finished. When the worker group fails, the requests in flight go back to
+        the waiting queue (no delta) and the group is rebuilt by a later call, after the
+        backoff. A request that ran through more than ``max_failures_per_request`` failures
+        ends with an ``error`` delta (``RequestFailedError``) naming the rank and node; once
+        the restart policy gives up every request does (``EngineDeadError``), and later
+        calls raise ``EngineDeadError``.
         """
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -185,11 +181,31 @@ class EngineCore:
         elif not self._restart():
             # Still waiting for the group, or dead now: then every request ends here.
             return self._fail_all(self._dead) if self._dead is not None else []
-        deltas = self._admit_compiled() if self._grammars is not None else []
-        if not self.scheduler.has_unfinished():
-            return deltas
+        deltas = [] if self._grammars is None else admit_compiled(
+            self._grammars, self._groups, self.scheduler
+        )
+        try:
+            if not self._in_flight:
+                if not self.scheduler.has_unfinished():
+                    return deltas
+                preemptions = self.scheduler.num_preemptions
+                if not self._submit_next():
+                    # A step that preempted admits nothing by design; the next one will.
+                    if self.scheduler.num_preemptions != preemptions:
+                        return deltas
+                    return deltas + recovery.fail_unschedulable(self.scheduler, self._groups)
+            if self._may_overlap() and self._submit_next():
+                self._num_overlapped += 1  # runs while the controller takes in the one before
+            deltas += self._finish_oldest()
+            if self._in_flight and not self.scheduler.has_unfinished():
+                deltas += self._finish_oldest()  # its requests all ended: nothing to wait for
+        except WorkerGroupError as exc:
+            return deltas + self._on_worker_failure(exc)
+        return deltas
+
+    def _submit_next(self) -> bool:
+        """Schedule a step and hand it to the executor; False when it schedules nothing."""
         t0 = time.perf_counter()
-        preemptions = self.scheduler.num_preemptions
         if self.drafter is not None:
             self.scheduler.num_lookahead_tokens = self.drafter.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
@@ -199,16 +215,40 @@ class EngineCore:
             if sched_out.token_masks:  # what a constraint costs each step, on the step's path
                 self._time_grammar_mask += time.perf_counter() - tm
                 self._num_grammar_mask_steps += 1
-        if sched_out.total_num_scheduled_tokens == 0:
-            # A step that preempted admits nothing by design; the next one will.
-            stalled = self.scheduler.num_preemptions == preemptions
-            return deltas + (self._no_progress() if stalled else [])
         t1 = time.perf_counter()
-        try:
-            runner_out = self.executor.execute(sched_out)
-        except WorkerGroupError as exc:
-            return self._on_worker_failure(exc)
+        self._time_schedule += t1 - t0
+        if sched_out.total_num_scheduled_tokens == 0:
+            return False
+        if self._overlap:
+            self.executor.submit(sched_out)  # type: ignore[attr-defined]
+            self._in_flight.append((sched_out, None))
+        else:
+            self._in_flight.append((sched_out, self.executor.execute(sched_out)))
+        self._time_execute += time.perf_counter() - t1
+        return True
+
+    def _may_overlap(self) -> bool:
+        """Schedule the next step before the one in flight is back (async scheduling)?
+
+        Not when a step depends on what the one in flight samples beyond its token:
+        speculative drafts and grammar masks follow from the accepted tokens. Not behind a step
+        that adds requests either: a worker may refuse one (``fail_rejected``), and the next
+        step would name it as running."""
+        if not self._overlap or len(self._in_flight) != 1 or self.drafter is not None:
+            return False
+        running = self.scheduler.running
+        return not self._in_flight[0][0].new_reqs and all(r.grammar is None for r in running)
+
+    def _finish_oldest(self) -> list[RequestDelta]:
+        """Take in the oldest step's output: append its tokens, apply the stop conditions and
+        return the deltas of the requests that progressed."""
+        sched_out, runner_out = self._in_flight.popleft()
+        if runner_out is None:
+            t = time.perf_counter()
+            runner_out = self.executor.collect()  # type: ignore[attr-defined]
+            self._time_execute += time.perf_counter() - t
         t2 = time.perf_counter()
+        deltas: list[RequestDelta] = []
         if runner_out.request_errors:
             deltas += fail_rejected(self.scheduler, self._groups, sched_out,
                                     runner_out.request_errors)
@@ -229,51 +269,8 @@ class EngineCore:
             if group.finished:
                 del self._groups[gid]
         # The controller's share of a step (schedule + bookkeeping) against the workers'.
-        self._time_execute += t2 - t1
-        self._time_schedule += (t1 - t0) + (time.perf_counter() - t2)
+        self._time_schedule += time.perf_counter() - t2
         return deltas
-
-    def _admit_compiled(self) -> list[RequestDelta]:
-        """Schedule the constrained requests whose grammar is compiled (waiting briefly for
-        one when nothing else runs); fail those whose grammar did not compile."""
-        gate = self._grammars
-        assert gate is not None
-        idle = gate.num_held and not self.scheduler.has_unfinished()
-        deltas = []
-        for head, error in gate.release(0.05 if idle else 0.0):
-            group = self._groups.get(head.group_id)
-            if group is None:
-                continue  # aborted or failed while its grammar compiled
-            if error is None:
-                self.scheduler.add_request(head)
-                continue
-            del self._groups[head.group_id]
-            deltas.append(failed_delta(group.request_id, [s.index for s in group.seqs],
-                                       str(error), type(error).__name__))
-        return deltas
-
-    def _no_progress(self) -> list[RequestDelta]:
-        """A step that schedules nothing while requests wait and nothing runs would repeat
-        forever: admission promised the head request that it fits. Fail that request, loudly,
-        instead of spinning."""
-        sched = self.scheduler
-        if sched.running or not sched.waiting:
-            return []
-        head = sched.waiting[0]
-        group = self._groups.pop(head.group_id, None)
-        reason = (
-            f"internal error: request {head.group_id!r} ({head.num_tokens} tokens, "
-            f"{head.num_computed_tokens} computed) cannot be scheduled in an empty cache of "
-            f"{self.kv.num_free_blocks} free blocks of {self.kv.block_size} tokens "
-            f"(token budget {sched.max_num_batched_tokens}); it is failed instead of retried"
-        )
-        logger.error("%s", reason)
-        if group is None:  # not a user request: drop it all the same
-            sched.finish_requests([head.request_id], RequestStatus.FINISHED_ABORTED)
-            return []
-        sched.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
-        return [failed_delta(group.request_id, [s.index for s in group.seqs], reason,
-                             RequestFailedError.__name__)]
 
     # ------------------------------------------------------------------- faults
     @property
@@ -293,25 +290,27 @@ class EngineCore:
         restart policy gives up (the engine is dead)."""
         self.last_failure = exc
         self._group_failure = reason = str(exc)
+        self._in_flight.clear()  # the group's steps never answer now
         self._schedule_restart(reason)
         if self._dead is not None:
             return self._fail_all(self._dead)
         old = self.scheduler
-        heads = live_heads(old)
-        count_failure(old)
-        deltas = fail_over_limit(heads, self._groups, self.restarts.max_failures_per_request,
-                                 reason)
+        heads = recovery.live_heads(old)
+        recovery.count_failure(old)
+        deltas = recovery.fail_over_limit(heads, self._groups,
+                                          self.restarts.max_failures_per_request, reason)
         # The workers' rows and KV blocks (both tiers) are gone with them: nothing may refer
         # to a block of the dead group, so the requests start over in a fresh manager.
         self.kv = self.kv_plan.new_manager()
         self.scheduler = self._new_scheduler(old.step_hooks)
-        resume([h for h in heads if not h.is_finished], self.scheduler)
+        recovery.resume([h for h in heads if not h.is_finished], self.scheduler)
         return deltas
 
     def _fail_all(self, reason: str) -> list[RequestDelta]:
         """The engine is dead: end every request (held grammars included) with an
         ``EngineDeadError`` delta and release every block of both tiers."""
-        deltas = fail_all(self._groups, reason)
+        deltas = recovery.fail_all(self._groups, reason)
+        self._in_flight.clear()
         if self._grammars is not None:
             self._grammars.clear()
         self.kv = self.kv_plan.new_manager()
@@ -371,8 +370,8 @@ class EngineCore:
             logger.error("KV manager integrity check failed while idle: %s", exc)
             self._kv_integrity_ok = 0
 
-    def has_unfinished(self) -> bool:
-        return bool(self._groups)
+    def has_unfinished(self) -> bool:  # requests live, or a step still to take in
+        return bool(self._groups) or bool(self._in_flight)
 
     def stats(self) -> dict[str, int | float]:
         """Running/waiting counts, KV usage of both tiers, prefix-cache queries and hits per
@@ -381,6 +380,7 @@ class EngineCore:
             "time_schedule_s": self._time_schedule, "time_execute_s": self._time_execute,
             "time_grammar_mask_s": self._time_grammar_mask,
             "num_grammar_mask_steps": self._num_grammar_mask_steps,
+            "num_overlapped_steps": self._num_overlapped,
             # Each one a worker-group failure that the in-flight requests were carried over.
             "num_worker_restarts": self.num_restarts,
             # As of the last idle check.

@@ -60,6 +60,11 @@ class Executor(Protocol):
         ``WorkerGroupError`` when the group failed."""
         ...
 
+    # An executor whose ``overlaps_steps`` is True also has ``submit(scheduler_output)`` and
+    # ``collect() -> ModelRunnerOutput``, ``execute`` in two halves: the engine may submit the
+    # next step before it collects the last one (async scheduling). One without the attribute
+    # runs one step at a time.
+
     def collective_rpc(
         self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:

@@ -20,8 +20,8 @@ from pagedserve.controller.request import Request, RequestStatus
 from pagedserve.controller.scheduler import Scheduler
 from pagedserve.messages import RequestDelta
 
-__all__ = ["count_failure", "drop_over_limit", "fail_all", "fail_over_limit", "live_heads",
-           "resume"]
+__all__ = ["count_failure", "drop_over_limit", "fail_all", "fail_over_limit", "fail_unschedulable",
+           "live_heads", "resume"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,4 +105,28 @@ def _forget_workers(req: Request) -> None:
     # The new workers hold no row: each request is sent in full (prompt and outputs) when it
     # is scheduled again, and none needs dropping first.
     req.num_sent_tokens = 0
+    req.num_pending_samples = 0  # the dead group's steps never answer
     req.draft_token_ids = []  # proposed for the dead group's step; a drafter proposes anew
+
+
+def fail_unschedulable(sched: Scheduler, groups: dict[str, RequestGroup]) -> list[RequestDelta]:
+    """A step that schedules nothing while requests wait and nothing runs would repeat
+    forever: admission promised the head request that it fits. Fail that request, loudly,
+    instead of spinning."""
+    if sched.running or not sched.waiting:
+        return []
+    head = sched.waiting[0]
+    group = groups.pop(head.group_id, None)
+    reason = (
+        f"internal error: request {head.group_id!r} ({head.num_tokens} tokens, "
+        f"{head.num_computed_tokens} computed) cannot be scheduled in an empty cache of "
+        f"{sched.kv.num_free_blocks} free blocks of {sched.kv.block_size} tokens "
+        f"(token budget {sched.max_num_batched_tokens}); it is failed instead of retried"
+    )
+    logger.error("%s", reason)
+    if group is None:  # not a user request: drop it all the same
+        sched.finish_requests([head.request_id], RequestStatus.FINISHED_ABORTED)
+        return []
+    sched.finish_requests(group.seq_ids(), RequestStatus.FINISHED_ABORTED)
+    return [failed_delta(group.request_id, [s.index for s in group.seqs], reason,
+                         RequestFailedError.__name__)]

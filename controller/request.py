@@ -129,8 +129,12 @@ class Request:
         """Speculative tokens after ``all_token_ids`` for the next step to verify (set by a
         drafter between steps; none exists yet). Never hashed: they are not the sequence's."""
         self.num_sent_tokens = 0
-        """How many of ``all_token_ids`` the workers hold; 0 while they do not know the request
-        (never scheduled, or dropped on preemption)."""
+        """How many of ``all_token_ids`` the workers hold, placeholders included; 0 while they
+        do not know the request (never scheduled, or dropped on preemption)."""
+        self.num_pending_samples = 0
+        """Samples of steps scheduled and not yet answered. With async scheduling a step may be
+        scheduled while the previous one runs: each pending sample then stands in the batch as
+        a placeholder token that the workers fill with what they sampled."""
         # How much of the output the engine has handed out as deltas (see outputs.take_delta).
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
@@ -156,8 +160,20 @@ class Request:
     @property
     def compute_limit(self) -> int:
         """The token count the scheduler catches ``num_computed_tokens`` up to: the known
-        tokens (a fork parent's but the last) and the drafts after them."""
-        return self.num_tokens - 1 if self.children else self.num_tokens + len(self.draft_token_ids)
+        tokens (a fork parent's but the last), the pending samples' placeholders and the drafts
+        after them."""
+        if self.children:
+            return self.num_tokens - 1
+        return self.num_tokens + self.num_pending_samples + len(self.draft_token_ids)
+
+    def pending_sample_is_last(self, max_model_len: int) -> bool:
+        """A pending sample will end the request by length (``max_tokens`` or
+        ``max_model_len``): computing its placeholder's KV would be wasted."""
+        pending, cap = self.num_pending_samples, self.sampling_params.max_tokens
+        return pending > 0 and (
+            (cap is not None and self.num_output_tokens + pending >= cap)
+            or self.num_tokens + pending >= max_model_len
+        )
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -185,6 +201,15 @@ class Request:
         )
 
     # ------------------------------------------------------------ mutation
+    def advance(self, num_scheduled: int) -> None:
+        """The scheduler gave a step ``num_scheduled`` of the request's tokens. A chunk that
+        reaches the request's end is sampled (a fork parent stops one short and never is)."""
+        self.num_computed_tokens += num_scheduled
+        if not self.children and self.num_computed_tokens >= (
+            self.num_tokens + self.num_pending_samples
+        ):
+            self.num_pending_samples += 1
+
     def _update_block_hashes(self) -> None:
         if self._hasher is not None:
             self._hasher.extend(self.block_hashes, self.all_token_ids, self.cache_salt)

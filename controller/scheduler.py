@@ -1,13 +1,12 @@
 """The scheduler: one token budget, running requests first, then waiting ones.
 
 There are no prefill or decode phases. Every request catches ``num_computed_tokens`` up to its
-``compute_limit`` (``num_tokens``, plus drafts to verify); a long prompt simply takes several
-steps (chunked prefill) and a generating request needs one token per step (and one per draft,
-which may bring it several). When the KV cache is full the newest running request is
-preempted and nothing new is admitted that step: by recompute (its blocks are freed, it starts
-over, usually finding most of them in the prefix cache) or, with ``preemption_mode="swap"``,
-by swapping its blocks to the host tier and back when it resumes (recompute when the host tier
-is full).
+``compute_limit`` (its tokens, a placeholder per sample still in flight under async scheduling,
+and drafts to verify): a long prompt takes several steps (chunked prefill), a generating request
+one token per step (or one per draft). When the KV cache is full the newest running request is
+preempted and nothing new is admitted that step: by recompute (its blocks freed, it starts over,
+mostly from the prefix cache) or, with ``preemption_mode="swap"``, by swapping its blocks to the
+host tier and back (recompute when the tier is full).
 
 The order is a policy (``request_order``): ``fcfs`` or ``priority``.
 
@@ -151,11 +150,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pc = self.kv.prefix_cache_stats
         return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_usage=self.kv.usage,
-            prefix_cache_queries=pc.queries,
-            prefix_cache_hits=pc.hits,
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=self.kv.usage,
+            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
             num_swapped=len(self.kv.host.swapped) if self.kv.host is not None else 0,
@@ -177,7 +173,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.compute_limit - req.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or req.pending_sample_is_last(self.max_model_len):
                 i += 1
                 continue
             while True:
@@ -212,7 +208,7 @@ class Scheduler:
             self._finished_ids = []
             output.block_table_trims, self._trims = self._trims, {}
         for req in scheduled:
-            req.num_computed_tokens += num_scheduled[req.request_id]
+            req.advance(num_scheduled[req.request_id])
         if total := output.total_num_scheduled_tokens:
             self._batched_counts[bisect_left(BATCHED_TOKENS_BUCKETS, total)] += 1
             self._batched_sum += total
@@ -304,6 +300,7 @@ class Scheduler:
         start over. The caller has taken it out of the running list."""
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        req.num_pending_samples = 0  # the in-flight step's sample for it is dropped
         req.draft_token_ids = []
         self._trims.pop(req.request_id, None)
         # Swapping needs a next token to resume with; one with nothing left starts over.
@@ -340,16 +337,16 @@ class Scheduler:
                 if req.record_prompt_logprobs(first, ids, lps):
                     progressed.append(req)
         logprobs = runner_output.logprobs
-        drafts = scheduler_output.draft_token_ids
         for j, (rid, tokens) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             req = self.requests.get(rid)
-            # Aborted while the step ran, or a sample for a request that did not reach its end
-            # (a fork parent never should): ignore rather than corrupt its tokens.
-            if req is None or req.status != RequestStatus.RUNNING or req.children:
+            # Aborted or preempted since the step was scheduled (its sample is stale), or a
+            # sample of a request that did not reach its end: ignore it, its tokens stay.
+            if req is None or req.status != RequestStatus.RUNNING or not req.num_pending_samples:
                 continue
-            if req.num_computed_tokens != req.num_tokens + len(drafts.get(rid, ())) or not tokens:
+            req.num_pending_samples -= 1
+            if not tokens:
                 continue
             if req.sampling_params.max_tokens == 0:
                 # Prompt only (scoring): the sample is dropped.
@@ -358,8 +355,9 @@ class Scheduler:
                 lps = None if logprobs is None else logprobs[j]
                 req.append_output_token_ids(tokens, lps, self.eos_token_ids, self.max_model_len)
                 # Every appended token but the last was an input of this step, so its KV is
-                # computed; the slots of rejected drafts are not.
-                req.num_computed_tokens = req.num_tokens - 1
+                # computed; the slots of rejected drafts are not. A step scheduled after this
+                # one computes the placeholders of its pending samples.
+                req.num_computed_tokens = req.num_tokens - 1 + req.num_pending_samples
             progressed.append(req)
             if req.is_finished:
                 self.requests.pop(rid, None)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pagedserve.controller.request import Request
 from pagedserve.kv import KVCacheBlocks, KVCacheManager
-from pagedserve.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.messages import (
+    PLACEHOLDER_TOKEN,
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 __all__ = ["build_output"]
 
@@ -36,7 +41,11 @@ def build_output(
             # in principle) is sent as drop + full re-add; workers drop before they add.
             resent.append(rid)
             req.num_sent_tokens = 0
+        pending = req.num_pending_samples
         if req.num_sent_tokens == 0:
+            # Only a request the workers hold can have a sample in flight: a full (re-)add
+            # follows a preemption or a fork, which leave none pending.
+            assert not pending, f"request {rid!r} re-sent with {pending} samples in flight"
             out.new_reqs.append(
                 NewRequestData(
                     req_id=rid,
@@ -50,12 +59,20 @@ def build_output(
         else:
             blocks = new_blocks.get(rid)
             cached.req_ids.append(rid)
-            cached.new_token_ids.append(req.all_token_ids[req.num_sent_tokens :])
+            # Samples of steps still running are not known here: each goes as a placeholder
+            # that the workers fill with their own sample. The workers' copy is the known
+            # tokens then the placeholders; a placeholder sent once counts as sent even after
+            # its token becomes known.
+            sent = req.num_sent_tokens
+            cached.new_token_ids.append(
+                req.all_token_ids[sent:]
+                + [PLACEHOLDER_TOKEN] * (req.num_tokens + pending - max(sent, req.num_tokens))
+            )
             cached.new_block_ids.append(
                 [list(ids) for ids in blocks.get_block_ids()] if blocks else None
             )
             cached.num_computed_tokens.append(req.num_computed_tokens)
-        req.num_sent_tokens = req.num_tokens
+        req.num_sent_tokens = req.num_tokens + pending
         # The drafts this step reaches (a chunk cut by the budget may reach only some).
         num_drafts = req.num_computed_tokens + num_scheduled[rid] - req.num_tokens
         if req.draft_token_ids and num_drafts > 0:

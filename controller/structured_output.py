@@ -21,11 +21,13 @@ from typing import Any
 from pagedserve.controller.errors import InvalidGrammarError
 from pagedserve.controller.grammar_matcher import SequenceGrammar
 from pagedserve.controller.json_grammar import json_schema_grammar
+from pagedserve.controller.outputs import RequestGroup, failed_delta
 from pagedserve.controller.request import Request
+from pagedserve.controller.scheduler import Scheduler
 from pagedserve.controller.tokenizer import Tokenizer
-from pagedserve.messages import SchedulerOutput, StructuredOutputsParams
+from pagedserve.messages import RequestDelta, SchedulerOutput, StructuredOutputsParams
 
-__all__ = ["GrammarGate", "grammar_text"]
+__all__ = ["GrammarGate", "admit_compiled", "grammar_text"]
 
 _JSON_KINDS = ("json", "json_object")
 
@@ -148,3 +150,23 @@ class GrammarGate:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def admit_compiled(gate: GrammarGate, groups: dict[str, RequestGroup],
+                   scheduler: Scheduler) -> list[RequestDelta]:
+    """Schedule the constrained requests whose grammar is compiled (waiting briefly for one
+    when nothing else runs); fail those whose grammar did not compile."""
+    idle = gate.num_held and not scheduler.has_unfinished()
+    deltas = []
+    for head, error in gate.release(0.05 if idle else 0.0):
+        group = groups.get(head.group_id)
+        if group is None:
+            continue  # aborted or failed while its grammar compiled
+        if error is None:
+            scheduler.add_request(head)
+            continue
+        del groups[head.group_id]
+        deltas.append(failed_delta(group.request_id, [s.index for s in group.seqs],
+                                   str(error), type(error).__name__))
+    return deltas
+

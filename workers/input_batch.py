@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pagedserve.messages import NewRequestData, SamplingParams
+from pagedserve.messages import PLACEHOLDER_TOKEN, NewRequestData, SamplingParams
 from pagedserve.workers.block_table import MultiGroupBlockTable
 
 # Per-row float/int columns copied from SamplingParams (name -> numpy dtype).
@@ -49,6 +49,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.last_sampled: dict[str, int] = {}
+        """Each request's latest sample: what a ``PLACEHOLDER_TOKEN`` stands for."""
         self.columns = {k: np.zeros(max_num_reqs, dtype=t) for k, t in _PARAM_COLUMNS.items()}
 
     @property
@@ -99,6 +101,11 @@ class InputBatch:
         return row
 
     def append_tokens(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Placeholders (a step scheduled before the controller had the sample of the step
+        before) take the request's latest sample."""
+        if PLACEHOLDER_TOKEN in token_ids:
+            last = self.last_sampled[req_id]
+            token_ids = [last if t == PLACEHOLDER_TOKEN else t for t in token_ids]
         row = self.index_of[req_id]
         n = self.num_tokens[row]
         if n + len(token_ids) > self.max_model_len:
@@ -117,6 +124,7 @@ class InputBatch:
 
     def remove_request(self, req_id: str) -> int | None:
         row = self.index_of.pop(req_id, None)
+        self.last_sampled.pop(req_id, None)
         if row is None:
             return None
         self.req_ids[row] = None

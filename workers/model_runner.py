@@ -372,6 +372,7 @@ class ModelRunner:
                 while accepted < n and sampled[at + accepted - 1] == proposed[accepted - 1]:
                     accepted += 1
             out.sampled_token_ids.append(sampled[at : at + accepted])
+            b.last_sampled[rid] = sampled[at + accepted - 1]
             if out.logprobs is not None:
                 p = b.params[r]
                 k = None if p is None else p.logprobs

@@ -4,7 +4,10 @@ Per engine, in a fresh process each: one prompt of ``--prompt`` random token ids
 greedily to 1 new token (the prefill, ``pp``) and to ``--new`` new tokens with ``ignore_eos``
 (``tg``: the tokens after the first, over the time the longer run took beyond the shorter),
 best of ``--repeats``; every call's prompt is the same tokens rotated anew, so no call finds
-an earlier one's blocks in a prefix cache. Engines:
+an earlier one's blocks in a prefix cache. This host's memory bandwidth drifts by a third
+from minute to minute, so the engines take turns: ``--rounds`` rounds of every engine once,
+the table gives medians and each round's figure, and the ratios to llama.cpp are taken
+within a round. Engines:
 
   pagedserve        ``LLM()`` on Ray (controller and worker actors)
   pagedserve-local  the engine in the benchmark's process
@@ -17,6 +20,11 @@ The memory roof: at batch 1 a decode step reads every weight once, so tokens/s x
 weight bytes at the dtype is the bandwidth it implies; the table gives it against a read
 bandwidth probe run in this same script (a sum over a buffer far larger than the caches).
 
+The engine's own cost: ``pagedserve-local`` also reports the worker's share of a decode step
+(``ModelRunner.execute``: input preparation, the forward pass, sampling), from the engine's
+``time_execute_s`` over the decode steps; each pagedserve row's "over the step" column is its
+time per token minus that, the controller's and the transport's share of the critical path.
+
     python benchmarks/scripts/single_stream.py --model smollm2 --dtype bfloat16
     python benchmarks/scripts/single_stream.py --vllm-venv /path/to/vllm-venv --out FILE.md
 """
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,11 +105,21 @@ def child_pagedserve(args: argparse.Namespace) -> dict:
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         many = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
         llm.generate([next(prompts)], many, use_tqdm=False)  # warm-up
-        pp = min(_timed(lambda: llm.generate([next(prompts)], one, use_tqdm=False))
-                 for _ in range(args.repeats))
-        tg = min(_timed(lambda: llm.generate([next(prompts)], many, use_tqdm=False))
-                 for _ in range(args.repeats))
-        return {"pp_s": pp, "tg_s": tg}
+
+        def timed_runs(params: SamplingParams) -> tuple[float, float, int]:
+            """Best wall time of the runs; the executor's time and steps over all of them."""
+            s0 = llm.stats()
+            best = min(_timed(lambda: llm.generate([next(prompts)], params, use_tqdm=False))
+                       for _ in range(args.repeats))
+            s1 = llm.stats()
+            return (best, s1["time_execute_s"] - s0["time_execute_s"],
+                    s1["num_steps"] - s0["num_steps"])
+
+        pp, pp_exec, pp_steps = timed_runs(one)
+        tg, tg_exec, tg_steps = timed_runs(many)
+        # The decode steps alone: the long runs' steps less the prefill runs' (one each).
+        step_s = (tg_exec - pp_exec) / max(1, tg_steps - pp_steps)
+        return {"pp_s": pp, "tg_s": tg, "step_s": step_s}
     finally:
         llm.shutdown()
 
@@ -150,6 +169,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="turns of every engine (medians and per-round ratios are reported)")
     ap.add_argument("--vllm-venv")
     ap.add_argument("--baseline-venv")
     ap.add_argument("--llama-bench")
@@ -176,24 +197,49 @@ def main() -> None:
     prompt = [rng.randrange(3, vocab) for _ in range(args.prompt)]  # ids 0-2: special
     roof = read_bandwidth_gbs()
     wbytes = weight_bytes(mdir, args.dtype, args.quantization)
+    # Per engine, per round: decode tok/s, prefill tok/s and (pagedserve) the worker's step.
+    runs: dict[str, list[dict]] = {e: [] for e in [*engines, "llama.cpp"]}
+    with tempfile.TemporaryDirectory() as cwd:
+        for rnd in range(args.rounds):
+            for engine in engines:
+                r = run_engine(engine, args, mdir, prompt, cwd)
+                runs[engine].append({"tg": (args.new - 1) / (r["tg_s"] - r["pp_s"]),
+                                     "pp": args.prompt / r["pp_s"], "step_s": r.get("step_s")})
+                print(f"round {rnd + 1} {engine}: {runs[engine][-1]}", flush=True)
+            lc = run_llama_bench(args)
+            if lc is not None:
+                runs["llama.cpp"].append({"tg": lc["tg_tok_s"], "pp": lc["pp_tok_s"]})
+    if not runs["llama.cpp"]:
+        del runs["llama.cpp"]
+    local_step = runs.get("pagedserve-local", [{}])
     rows = [f"model `{args.model}`, {args.dtype} (pagedserve quantization {args.quantization}), "
             f"one request: {args.prompt}-token prompt, {args.new} new tokens, greedy, best of "
-            f"{args.repeats}; weights read per decode step {wbytes / 1e6:.0f} MB; read "
-            f"bandwidth probe {roof:.1f} GB/s", "",
-            "| engine | decode tok/s | ms/token | implied GB/s | share of the probe | "
-            "prefill tok/s (pp) |", "|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as cwd:
-        for engine in engines:
-            r = run_engine(engine, args, mdir, prompt, cwd)
-            tg = (args.new - 1) / (r["tg_s"] - r["pp_s"])
-            rows.append(f"| {engine} | {tg:.1f} | {1e3 / tg:.1f} | {tg * wbytes / 1e9:.1f} | "
-                        f"{tg * wbytes / 1e9 / roof:.0%} | {args.prompt / r['pp_s']:.0f} |")
-            print(rows[-1], flush=True)
-    lc = run_llama_bench(args)
-    if lc is not None:
-        tg = lc["tg_tok_s"]
-        rows.append(f"| llama.cpp | {tg:.1f} | {1e3 / tg:.1f} | {tg * wbytes / 1e9:.1f} | "
-                    f"{tg * wbytes / 1e9 / roof:.0%} | {lc['pp_tok_s']:.0f} |")
+            f"{args.repeats}, {args.rounds} round(s) taking turns, medians; weights read per "
+            f"decode step {wbytes / 1e6:.0f} MB; read bandwidth probe {roof:.1f} GB/s", "",
+            "| engine | decode tok/s | per round | ms/token | over the local worker step "
+            "(ms) | implied GB/s, share of the probe | prefill tok/s (pp) | decode vs "
+            "llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    median = statistics.median
+    for engine, rs in runs.items():
+        tg = median(r["tg"] for r in rs)
+        per_round = ", ".join(f"{r['tg']:.1f}" for r in rs)
+        over = ratio = "-"
+        if engine.startswith("pagedserve") and local_step[0].get("step_s"):
+            # Within each round: this engine's time per token less the local worker's step.
+            pairs = zip(rs, local_step, strict=True)
+            over = f"{median(1e3 / r['tg'] - 1e3 * s['step_s'] for r, s in pairs):.2f}"
+        if "llama.cpp" in runs:
+            pairs = zip(rs, runs["llama.cpp"], strict=True)
+            ratio = f"{median(r['tg'] / c['tg'] for r, c in pairs):.2f}x"
+        gbs = tg * wbytes / 1e9
+        rows.append(f"| {engine} | {tg:.1f} | {per_round} | {1e3 / tg:.2f} | {over} | "
+                    f"{gbs:.1f}, {gbs / roof:.0%} | {median(r['pp'] for r in rs):.0f} | "
+                    f"{ratio} |")
+    if local_step[0].get("step_s"):
+        steps = [1e3 * s["step_s"] for s in local_step]
+        rows += ["", f"The local worker's decode step (`ModelRunner.execute`): "
+                 f"{statistics.median(steps):.2f} ms (rounds: "
+                 f"{', '.join(f'{s:.2f}' for s in steps)})."]
     emit_table("\n".join(rows) + "\n", args.out)
 
 

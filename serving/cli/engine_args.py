@@ -58,6 +58,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
                      help="fcfs (default): first come, first served; priority: each "
                           "request's priority (lower first), then arrival, preempting the "
                           "lowest-priority request first")
+    eng.add_argument("--no-async-scheduling", action="store_true",
+                     help="schedule each step after the previous one's output is back, instead "
+                          "of while it runs")
     eng.add_argument("--no-kv-offload", action="store_true",
                      help="with a host tier, do not keep evicted prefix blocks there")
     eng.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
@@ -95,6 +98,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "num_host_blocks": args.num_host_blocks,
         "preemption_mode": args.preemption_mode,
         "scheduling_policy": args.scheduling_policy,
+        "async_scheduling": not args.no_async_scheduling,
         "kv_offload": not args.no_kv_offload,
         "tensor_parallel_size": args.tp,
         "decode_context_parallel_size": args.dcp,

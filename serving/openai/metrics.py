@@ -76,6 +76,8 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("kv_host_blocks_to_device", "kv_host_blocks_copied_to_device",
      "Host -> device block copies (swap-ins and host prefix hits).", "counter"),
     ("num_steps", "engine_steps", "Engine steps run.", "counter"),
+    ("num_overlapped_steps", "engine_overlapped_steps",
+     "Engine steps scheduled while the step before them ran (async scheduling).", "counter"),
     ("num_worker_restarts", "worker_group_restarts",
      "Worker groups rebuilt after a failure (their requests resumed).", "counter"),
     ("num_controller_restarts", "controller_restarts",

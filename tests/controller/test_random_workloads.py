@@ -2,8 +2,8 @@
 
 The fake worker's next token depends only on the previous token and the seed, so each finished
 completion has a closed-form expected output whatever the scheduling (chunking, prefix hits,
-forks, preemptions). The fake also checks every KV read, and kv's integrity is checked after
-every step.
+forks, preemptions, and with async scheduling a step scheduled while the one before runs).
+The fake also checks every KV read, and kv's integrity is checked after every step.
 """
 
 from __future__ import annotations
@@ -16,16 +16,20 @@ from pagedserve.controller.request import child_seed
 from pagedserve.messages import SamplingParams
 
 
-def expected_tokens(kit, prompt, seed, max_tokens, max_model_len, vocab=1000):
+def expected_tokens(kit, prompt, seed, max_tokens, max_model_len, vocab=1000, stops=()):
+    """The completion and its finish reason."""
     out, last = [], prompt[-1]
     while len(out) < max_tokens and len(prompt) + len(out) < max_model_len:
         last = kit.next_token(last, seed, vocab)
         out.append(last)
-    return out
+        if last in stops:
+            return out, "stop"
+    return out, "length"
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(24))
-def test_random_workload(kit, seed):
+def test_random_workload(kit, seed, overlap):
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
     max_model_len = 48
@@ -37,6 +41,7 @@ def test_random_workload(kit, seed):
         max_model_len=max_model_len,
         enable_prefix_caching=rng.random() < 0.8,
         allocation_policy="reserve" if rng.random() < 0.2 else "paged",
+        executor=kit.FakeExecutor(max_model_len=max_model_len, overlaps_steps=overlap),
     )
     shared = [rng.randint(1, 999) for _ in range(20)]
     specs: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -54,10 +59,17 @@ def test_random_workload(kit, seed):
                 if rng.random() < 0.5
                 else [rng.randint(1, 999) for _ in range(n_prompt)]
             )
+            seed_ = rng.randint(0, 10_000)
+            max_tokens = rng.randint(1, 24)
+            # Sometimes a stop token the completion reaches before its length (n = 1): the
+            # request ends early, which a step scheduled ahead learns a step late.
+            want, _ = expected_tokens(kit, prompt, seed_, max_tokens, max_model_len)
+            stops = [want[rng.randrange(len(want))]] if want and rng.random() < 0.3 else []
             params = SamplingParams(
-                n=rng.choice([1, 1, 2, 3]),
-                max_tokens=rng.randint(1, 24),
-                seed=rng.randint(0, 10_000),
+                n=1 if stops else rng.choice([1, 1, 2, 3]),
+                max_tokens=max_tokens,
+                seed=seed_,
+                stop_token_ids=stops,
             )
             rid = f"q{next_id}"
             next_id += 1
@@ -79,9 +91,13 @@ def test_random_workload(kit, seed):
             continue
         prompt, params = specs[rid]
         for c in out.outputs:
-            want = expected_tokens(
-                kit, prompt, child_seed(params.seed, c.index), params.max_tokens, max_model_len
+            want, reason = expected_tokens(
+                kit, prompt, child_seed(params.seed, c.index), params.max_tokens, max_model_len,
+                stops=params.stop_token_ids,
             )
             assert c.token_ids == want, (rid, c.index)
-            assert c.finish_reason == "length"
+            assert c.finish_reason == reason
     assert set(finished) | aborted == set(specs)
+    if overlap:
+        assert eng.stats()["num_overlapped_steps"] > 0
+        assert eng.executor.max_in_flight == 2

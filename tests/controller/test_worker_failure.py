@@ -87,16 +87,19 @@ ENGINE = {"num_gpu_blocks": 18, "max_num_batched_tokens": 16, "max_num_seqs": 6}
 
 # Call 3 fails while a fork parent prefills for its children, call 10 while requests are
 # preempted (swapped, with a host tier), call 20 late in decoding.
+# With async scheduling (``overlap``) the failing call may find a second step in flight.
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("fail_call", [3, 10, 20])
-def test_a_failure_mid_decoding_resumes_every_request(kit, swap: bool, fail_call: int) -> None:
+def test_a_failure_mid_decoding_resumes_every_request(kit, swap: bool, fail_call: int,
+                                                      overlap: bool) -> None:
     tier = {"num_host_blocks": 64, "preemption_mode": "swap"} if swap else {}
     ref = kit.make_engine(**ENGINE, **tier)
     _workload(ref)
     expected, _ = _run(ref)
     assert not ref.has_unfinished()
 
-    ex = Flaky(fail_calls=(fail_call,))
+    ex = Flaky(fail_calls=(fail_call,), overlaps_steps=overlap)
     eng = kit.make_engine(executor=ex, restarts=RestartPolicy(backoff_s=0.0), **ENGINE, **tier)
     _workload(eng)
     at_failure: dict = {}  # as the failing step scheduled
@@ -112,7 +115,9 @@ def test_a_failure_mid_decoding_resumes_every_request(kit, swap: bool, fail_call
     eng.add_step_hook(record)
     done, steps = _run(eng, stop=lambda: ex.failures > 0)
     assert steps[-1] == []  # the failing step emits nothing: the streams pause
-    if fail_call == 3:
+    if overlap:  # calls come at other moments: the call numbers are chosen for steps in turn
+        assert ex.max_in_flight == 2
+    elif fail_call == 3:
         assert at_failure["parent"]
     elif fail_call == 10:
         assert at_failure["swapped"] if swap else at_failure["preempted"]

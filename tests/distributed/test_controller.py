@@ -55,14 +55,39 @@ def _finals(q: queue.SimpleQueue, n: int, timeout_s: float = 60.0) -> dict:
     return got
 
 
+# Seeded sampling with penalties, and stop tokens that end some completions early: the Ray
+# path schedules each step while the one before it runs (async scheduling), so a step may
+# carry a placeholder for a token that the worker fills in, and a request that stops has one
+# step too many scheduled.
+SAMPLED = SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=5, repetition_penalty=1.2,
+                         frequency_penalty=0.3, ignore_eos=True, logprobs=1)
+
+
 def test_ray_path_equals_local_and_transformers(llm, ckpt) -> None:
     assert isinstance(llm.client, Router) and isinstance(llm.client.replicas[0].client,
                                                          RemoteEngineClient)
     prompts = _prompts(1, (1, 5, 16, 17, 40))
+    overlapped = llm.client.stats()["num_overlapped_steps"]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert llm.client.stats()["num_overlapped_steps"] > overlapped
+    sampled = llm.generate(prompts, SAMPLED, use_tqdm=False)
+    stops = SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                           stop_token_ids=[o.outputs[0].token_ids[4] for o in sampled])
+    stopped = llm.generate(prompts, stops, use_tqdm=False)
     local = LLM(str(ckpt), backend="local", max_model_len=128, num_gpu_blocks=64)
     try:
         theirs = [o.outputs[0].token_ids for o in local.generate(prompts, GREEDY, use_tqdm=False)]
+        for mine, params in ((sampled, SAMPLED), (stopped, stops)):
+            want = local.generate(prompts, params, use_tqdm=False)
+            got = [(c.token_ids, c.finish_reason) for o in mine for c in o.outputs]
+            assert got == [(c.token_ids, c.finish_reason) for o in want for c in o.outputs]
+            # The logprobs, position by position (another thread count may move the last
+            # digits).
+            for a, b in zip(mine, want, strict=True):
+                for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [],
+                                strict=True):
+                    assert x.keys() == y.keys()
+                    assert list(x.values()) == pytest.approx(list(y.values()), abs=1e-3)
     finally:
         local.shutdown()
     assert ours == theirs

@@ -8,16 +8,20 @@ So prefix hits, copy-on-write, tier copies and preemption are checked end to end
 request's next token depends on its own last token (and seed) only, so what it produces is the
 same whatever it is batched with and whether it was preempted. Faults on cue: ``fail`` (one
 step raises), ``restart_failures``, ``reject`` (a new request the worker cannot take);
-subclasses override ``execute`` or ``sample`` for others.
+subclasses override ``execute`` or ``sample`` for others. With ``overlaps_steps`` the engine
+may submit a step before it collects the one before (async scheduling): steps then run in
+order at ``collect``, and placeholder tokens take the row's last sample, as a worker's do.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.messages import (
+    PLACEHOLDER_TOKEN,
     KVCacheLayout,
     LayerKVSpec,
     ModelRunnerOutput,
@@ -46,6 +50,7 @@ class Row:
     params: SamplingParams
     prompt_len: int
     emitted: int = 0
+    last_sampled: int | None = None
 
 
 @dataclass
@@ -76,6 +81,8 @@ class FakeExecutor:
     cannot take: not added, nothing of it computed, the error in ``request_errors``. In this
     mode a read of KV that does not hold the reader's token is recorded in ``bad_reads`` (and
     samples ``vocab_size - 1``) instead of failing the step: what a real worker would do."""
+    overlaps_steps: bool = False
+    """Offer ``submit``/``collect``: the engine may schedule a step while one is in flight."""
 
     def __post_init__(self) -> None:
         self.rows: dict[str, Row] = {}
@@ -88,6 +95,16 @@ class FakeExecutor:
         self.restart_times: list[float] = []
         self.rejected: set[str] = set()
         self.bad_reads: list[tuple[str, int]] = []
+        self.submitted: deque[SchedulerOutput] = deque()
+        self.max_in_flight = 0
+
+    def submit(self, so: SchedulerOutput) -> None:
+        assert self.overlaps_steps, "submit() on an executor that does not overlap steps"
+        self.submitted.append(so)
+        self.max_in_flight = max(self.max_in_flight, len(self.submitted))
+
+    def collect(self) -> ModelRunnerOutput:
+        return self.execute(self.submitted.popleft())
 
     def initialize(self) -> WorkerReport:
         full = LayerKVSpec(num_kv_heads=2, head_size=8, dtype_bytes=2)
@@ -121,6 +138,7 @@ class FakeExecutor:
             self.restart_failures -= 1
             raise RuntimeError("placement group not ready")
         self.restarts += 1
+        self.submitted.clear()
         self.rows.clear()
         self.pool.clear()
         self.host_pool.clear()
@@ -144,6 +162,7 @@ class FakeExecutor:
         errors: dict[str, str] = {}
         for nr in so.new_reqs:
             assert nr.req_id not in self.rows, f"{nr.req_id} added twice"
+            assert PLACEHOLDER_TOKEN not in nr.output_token_ids, f"{nr.req_id}: placeholder"
             error = self.reject(nr) if self.reject is not None else None
             if error is not None:
                 errors[nr.req_id] = error
@@ -161,7 +180,11 @@ class FakeExecutor:
         c = so.cached_reqs
         for i, rid in enumerate(c.req_ids):
             row = self.rows[rid]
-            row.tokens.extend(c.new_token_ids[i])
+            new = c.new_token_ids[i]
+            if PLACEHOLDER_TOKEN in new:
+                assert self.overlaps_steps and row.last_sampled is not None, (rid, new)
+                new = [row.last_sampled if t == PLACEHOLDER_TOKEN else t for t in new]
+            row.tokens.extend(new)
             assert row.computed == c.num_computed_tokens[i], (rid, row.computed, c)
             if c.new_block_ids[i] is not None:
                 for g, ids in enumerate(c.new_block_ids[i]):
@@ -213,6 +236,7 @@ class FakeExecutor:
             if end == len(row.tokens):
                 tok = self.vocab_size - 1 if bad else self.sample(rid, row)
                 row.emitted += 1
+                row.last_sampled = tok
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append([tok])
         return out

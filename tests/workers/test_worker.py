@@ -8,6 +8,7 @@ import torch
 
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedserve.messages import (
+    PLACEHOLDER_TOKEN,
     CachedRequestData,
     KVCacheLayout,
     NewRequestData,
@@ -59,6 +60,28 @@ def test_report(llama, checkpoint_dir):
         w.execute(SchedulerOutput(step_id=0))
     hybrid = Worker(EngineConfig(model=ModelConfig(model=str(checkpoint_dir("hybrid")))))
     assert [s.sliding_window for s in hybrid.load_model().layer_specs] == [8, None, 8, None]
+
+
+def test_placeholders_take_the_rows_own_samples(llama, hf_llama, checkpoints):
+    """Async scheduling: each step goes out before the controller has the step before's
+    token, as a placeholder the worker fills with its own sample. Two requests decode that
+    way; a third's known token arrives as usual in the same steps."""
+    w = worker_for(llama)
+    other = PROMPT[::-1]
+    new = [NewRequestData("a", PROMPT, [], GREEDY, [[1, 2, 3, 4, 5, 6]], 0),
+           NewRequestData("b", other, [], GREEDY, [[7, 8, 9, 10, 11, 12]], 0)]
+    out = w.execute(SchedulerOutput(0, new_reqs=new, num_scheduled_tokens={"a": 12, "b": 12}))
+    got = {r: list(t) for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True)}
+    for step in range(1, 5):
+        # "a" never tells the worker its token; "b" sends the one it got back.
+        cached = CachedRequestData(["a", "b"], [[PLACEHOLDER_TOKEN], got["b"][-1:]],
+                                   [None, None], [11 + step, 11 + step])
+        out = w.execute(SchedulerOutput(step, cached_reqs=cached,
+                                        num_scheduled_tokens={"a": 1, "b": 1}))
+        for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            got[r] += t
+    assert got["a"] == checkpoints.hf_greedy(hf_llama, PROMPT, 5)
+    assert got["b"] == checkpoints.hf_greedy(hf_llama, other, 5)
 
 
 def test_partial_prefill_then_prefix_hit(llama, hf_llama, checkpoints):
