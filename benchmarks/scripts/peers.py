@@ -5,6 +5,8 @@ warm-up, so start-up and model loading are left out):
 
   pagedserve        ``LLM()`` with its defaults: the Ray path (controller and worker actors)
   pagedserve-local  the engine in the benchmark's process (``backend="local"``)
+  pagedserve-sync   ``LLM()`` with ``async_scheduling=False``: each step scheduled after the one
+                    before is back, to set async scheduling beside the default
   pagedserve-int8   ``LLM()`` with ``quantization="int8"`` (whatever ``--quantization`` says):
                     int8 weights and activations beside the engine at ``--dtype``
   pagedserve-spec   ``LLM()`` with ``--speculative-config`` (default: prompt lookup), to set
@@ -52,13 +54,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from pagedserve.benchmarks.report import emit_table
 from pagedserve.config import cache_root
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-int8", "pagedserve-spec", "hf-static",
-           "hf-cb", "vllm", "vllm-default", "base", "base-local")
+ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-sync", "pagedserve-int8",
+           "pagedserve-spec", "hf-static", "hf-cb", "vllm", "vllm-default", "base", "base-local")
 VLLM_ENGINES = ("vllm", "vllm-default")
 REFERENCE = "hf-static"
 
@@ -110,11 +113,10 @@ def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int],
 # -- one engine, in its own process -------------------------------------------------------------
 
 def run_pagedserve(model: str, work: dict, backend: str | None, dtype: str,
-                   quantization: str, speculative_config: dict | None = None) -> list[list[int]]:
+                   quantization: str, **options: Any) -> list[list[int]]:
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(model, backend=backend, dtype=dtype, quantization=quantization,
-              speculative_config=speculative_config)
+    llm = LLM(model, backend=backend, dtype=dtype, quantization=quantization, **options)
     try:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                   for m in work["max_tokens"]]
@@ -208,7 +210,10 @@ def run_one(args: argparse.Namespace) -> None:
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, "int8")
     elif args.run_one == "pagedserve-spec":
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization,
-                              json.loads(args.speculative_config))
+                              speculative_config=json.loads(args.speculative_config))
+    elif args.run_one == "pagedserve-sync":
+        outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization,
+                              async_scheduling=False)
     elif args.run_one in ("pagedserve-local", "base-local"):
         outs = run_pagedserve(args.model_dir, work, "local", args.dtype, args.quantization)
     elif args.run_one == "hf-static":

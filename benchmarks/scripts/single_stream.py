@@ -11,6 +11,8 @@ within a round. Engines:
 
   pagedserve        ``LLM()`` on Ray (controller and worker actors)
   pagedserve-local  the engine in the benchmark's process
+  pagedserve-sync   ``LLM()`` on Ray with ``async_scheduling=False`` (each step scheduled after
+                    the one before is back)
   base, base-local  the same from ``--baseline-venv`` (another checkout installed there)
   vllm              vLLM's CPU build from ``--vllm-venv``, its worker bound to every core
   llama.cpp         ``llama-bench -p PROMPT -n NEW`` from ``--llama-bench`` on ``--llama-model``
@@ -98,8 +100,9 @@ def distinct(prompt: list[int]):
 def child_pagedserve(args: argparse.Namespace) -> dict:
     from pagedserve import LLM, SamplingParams
 
+    options = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     llm = LLM(args.model_dir, backend=args.backend, dtype=args.dtype,
-              quantization=args.quantization)
+              quantization=args.quantization, **options)
     try:
         prompts = distinct(json.loads(args.prompt_ids))
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -140,6 +143,7 @@ def run_engine(engine: str, args: argparse.Namespace, mdir: Path, prompt: list[i
                "--model-dir", str(mdir), "--dtype", args.dtype, "--new", str(args.new),
                "--repeats", str(args.repeats), "--quantization", args.quantization,
                "--backend", "local" if engine.endswith("local") else "ray",
+               *(["--no-async-scheduling"] if engine.endswith("sync") else []),
                "--prompt-ids", json.dumps(prompt)]
     out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=True)
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
@@ -179,6 +183,8 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const",
+                    const=False, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
