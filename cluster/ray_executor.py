@@ -138,7 +138,8 @@ class RayExecutor:
 
     def collect(self) -> ModelRunnerOutput:
         """The output of the oldest step submitted and not yet collected."""
-        assert (chan := self._channel) is not None, "collect() before submit()"
+        chan = self._channel
+        assert chan is not None, "collect() before submit()"
         deadline = time.monotonic() + self.step_timeout_s
         while True:
             remaining = deadline - time.monotonic()
