@@ -104,7 +104,10 @@ class InputBatch:
         """Placeholders (a step scheduled before the controller had the sample of the step
         before) take the request's latest sample."""
         if PLACEHOLDER_TOKEN in token_ids:
-            last = self.last_sampled[req_id]
+            last = self.last_sampled.get(req_id)
+            if last is None:  # the controller and this worker disagree: fail the step, loudly
+                raise ValueError(f"request {req_id}: a placeholder token, but this worker has "
+                                 "sampled nothing for it")
             token_ids = [last if t == PLACEHOLDER_TOKEN else t for t in token_ids]
         row = self.index_of[req_id]
         n = self.num_tokens[row]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pagedserve.messages import NewRequestData, SamplingParams
+from pagedserve.messages import PLACEHOLDER_TOKEN, NewRequestData, SamplingParams
 from pagedserve.workers.block_table import BlockTable, MultiGroupBlockTable
 from pagedserve.workers.input_batch import InputBatch
 
@@ -56,3 +57,19 @@ def test_readding_an_id_replaces_the_row():
     b.add_request(new("x", [1, 2, 3], [[1], [2]]))
     b.add_request(new("x", [9], [[5], [6]]))
     assert b.num_reqs == 1 and b.token_ids[0, 0] == 9 and b.block_table[0].np[0, 0] == 5
+
+
+def test_placeholders_take_the_latest_sample_and_refuse_without_one():
+    b = make_batch()
+    row = b.add_request(new("a", [1, 2], [[1], [2]]))
+    # Nothing sampled yet for "a": a placeholder is a disagreement with the controller.
+    with pytest.raises(ValueError, match="sampled nothing"):
+        b.append_tokens("a", [PLACEHOLDER_TOKEN])
+    assert b.num_tokens[row] == 2  # nothing appended
+    b.last_sampled["a"] = 9
+    b.append_tokens("a", [4, PLACEHOLDER_TOKEN])
+    assert b.token_ids[row, :4].tolist() == [1, 2, 4, 9] and b.num_tokens[row] == 4
+    # Its sample goes with the row.
+    b.remove_request("a")
+    assert "a" not in b.last_sampled
+
