@@ -27,6 +27,7 @@ import torch
 
 from pagedserve.kernels import needs_scale, swap_blocks
 from pagedserve.messages import KVCacheLayout, LayerKVSpec
+from pagedserve.workers import huge_pages
 from pagedserve.workers.layers.attention import PagedAttention
 
 
@@ -82,8 +83,12 @@ class KVPool:
         """One more device tensor ``[num_blocks, 2, B, H_kv, D]`` (and its host-tier twin)."""
         layout = self.layout
         shape = (layout.num_blocks, 2, layout.block_size, num_kv_heads, head_dim)
-        # zeros, not empty: the null block and unwritten slots must never hold NaN.
-        self.tensors.append(torch.zeros(shape, dtype=self.dtype, device=device))
+        # Zeroed: the null block and unwritten slots must never hold NaN. On the CPU the pool
+        # asks for 2 MiB pages before its first write (workers/huge_pages.py).
+        pool = torch.empty(shape, dtype=self.dtype, device=device)
+        if device.type == "cpu":
+            huge_pages.advise(pool)
+        self.tensors.append(pool.zero_())
         if layout.num_host_blocks:
             host_shape = (layout.num_host_blocks, *shape[1:])
             pin = device.type == "cuda"

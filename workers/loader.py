@@ -22,6 +22,7 @@ from torch import nn
 from pagedserve.kernels import cpu_caps
 from pagedserve.parallel.linear import pack_weights
 from pagedserve.parallel.state import ParallelState
+from pagedserve.workers import huge_pages
 from pagedserve.workers.errors import ModelLoadError, UnsupportedModelError
 from pagedserve.workers.models.arch import ModelArch, read_arch
 from pagedserve.workers.models.registry import model_class, supported_architectures
@@ -206,4 +207,7 @@ def load_model(
     quantize_model(model, quant_mode, path)  # after the check, like packing: weights go
     pack_weights(model)  # after the check: packed layers no longer list their weight
     model.model.fuse_layers()  # holds the weights as packed
+    if device.type == "cpu":  # a small batch streams every weight: see workers/huge_pages.py
+        done = huge_pages.collapse(huge_pages.module_tensors(model))
+        log.info("weights: %.0f MiB in 2 MiB pages", done / 2**20)
     return model, arch, torch_dtype
