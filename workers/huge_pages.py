@@ -2,8 +2,8 @@
 
 A decode step at a small batch streams every weight once, so its speed is the speed of that
 stream. Over 4 KiB pages the stream pays a TLB miss every 4 KiB, and the hardware prefetcher
-stops at each page's end; SmolLM2's projections (0.7-3.5 MB each) then streamed at 0.75-0.8x
-of what the same kernel reads from 2 MiB pages (``docs/results/performance.md`` section 12).
+stops at each page's end, so the same kernel streams slower from 4 KiB pages
+(``docs/results/performance.md`` section 12 has the measurements).
 Anonymous memory gets 2 MiB pages only where it is asked for (the usual ``madvise`` setting of
 ``/sys/kernel/mm/transparent_hugepage/enabled``):
 

@@ -17,30 +17,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
-from cpu_kernels import time_alternating
-from torch.utils.cpp_extension import load
-
-from pagedserve.kernels.cpu import _FLAGS
+from cpu_kernels import build_revision, time_alternating
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = "kernels/csrc/paged_attention_cpu.cpp"
-
-
-def build(text: str, name: str, tmp: Path) -> object:
-    """The kernel source ``text`` as extension ``name``, its op under namespace ``name``."""
-    src = tmp / f"{name}.cpp"
-    src.write_text(re.sub(r"TORCH_LIBRARY(_FRAGMENT)?\(pagedserve_cpu",
-                          f"TORCH_LIBRARY({name}", text))
-    load(name=f"{name}_ext", sources=[str(src)], extra_include_paths=[str((REPO / SOURCE).parent)],
-         extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
-         build_directory=str(tmp), verbose=False)
-    return getattr(torch.ops, name).paged_attention
 
 
 def main() -> None:
@@ -61,8 +46,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory(prefix="attention-ab-") as tmpdir:
         tmp = Path(tmpdir)
-        ops = {"baseline": build(base_text, "pa_baseline", tmp),
-               "working tree": build((REPO / SOURCE).read_text(), "pa_working", tmp)}
+        include = (REPO / SOURCE).parent
+        ops = {"baseline": build_revision(base_text, "pa_baseline", include, tmp).paged_attention,
+               "working tree": build_revision((REPO / SOURCE).read_text(), "pa_working", include,
+                                              tmp).paged_attention}
         print(f"baseline {args.baseline}, {args.dtype}, heads {hq}/{hkv}x{d}, threads "
               f"{args.threads}, median of {args.reps} alternated calls\n")
         print("| step | baseline (us) | working tree (us) | baseline / working tree "

@@ -25,6 +25,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -133,6 +134,26 @@ def _linear_pair(rows: torch.Tensor, weight: torch.Tensor):
     packed = pack_weight(weight)
     return (lambda: linear(rows, weight if packed is None else None, packed),
             lambda: linear_ref(rows, weight, None))
+
+
+def build_revision(text: str, name: str, include_dir: Path, tmp: Path) -> object:
+    """One kernel source ``text`` (a file of ``kernels/csrc`` at some revision) built as
+    extension ``name`` with the library's flags and ``include_dir``'s headers, its ops
+    registered under namespace ``name`` so that two revisions load side by side; returns
+    ``torch.ops.<name>``."""
+    import re
+
+    from torch.utils.cpp_extension import load
+
+    from pagedserve.kernels.cpu import _FLAGS
+
+    src = tmp / f"{name}.cpp"
+    src.write_text(re.sub(r"TORCH_LIBRARY(_FRAGMENT)?\(pagedserve_cpu",
+                          f"TORCH_LIBRARY({name}", text))
+    load(name=f"{name}_ext", sources=[str(src)], extra_include_paths=[str(include_dir)],
+         extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False,
+         build_directory=str(tmp), verbose=False)
+    return getattr(torch.ops, name)
 
 
 def time_alternating(fns: list[Callable[[], object]], reps: int) -> list[float]:

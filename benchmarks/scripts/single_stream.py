@@ -193,6 +193,7 @@ def main() -> None:
     engines = args.engines.split(",")
     engines += ["vllm"] if args.vllm_venv else []
     engines += ["base", "base-local"] if args.baseline_venv else []
+    engines = list(dict.fromkeys(engines))  # each once, though named twice
     mdir = model_dir(args.model)
     import random
 
@@ -215,6 +216,7 @@ def main() -> None:
             lc = run_llama_bench(args)
             if lc is not None:
                 runs["llama.cpp"].append({"tg": lc["tg_tok_s"], "pp": lc["pp_tok_s"]})
+                print(f"round {rnd + 1} llama.cpp: {runs['llama.cpp'][-1]}", flush=True)
     if not runs["llama.cpp"]:
         del runs["llama.cpp"]
     local_step = runs.get("pagedserve-local", [{}])

@@ -17,10 +17,10 @@
 // memory reaches here, and paid a fixed cost per call that a 30-layer model pays 121 times a
 // token. One tile is 32 output columns over the whole K: each step of the K loop reads 128
 // contiguous bytes (two 512-bit vectors: 32 columns x 2 k in bf16, 32 columns x 1 k in float32),
-// a thread reads its tiles as one contiguous stream, and the stream is prefetched 16 KiB ahead
-// (on SmolLM2's 57 MB LM head alone that read faster than leaving it to the hardware
-// prefetcher; over a whole model's 121 weights 16 KiB, 32 KiB and none measured within the
-// noise of each other, and 64 KiB slower).
+// a thread reads its tiles as one contiguous stream, left to the hardware prefetcher. (The
+// engine's weights sit in 2 MiB pages, workers/huge_pages.py; there a software prefetch 2-64
+// KiB ahead read slower than none, and 4 KiB pages were the one case it helped, by 2-3%:
+// benchmarks/scripts/linear_ab.py, docs/results/performance.md section 12.)
 //
 // Arithmetic: bf16 weights multiply bf16 activations with vdpbf16ps (each product exact in
 // float32, pairs of k summed in float32), float32 with FMA; both accumulate in float32 and round
@@ -61,7 +61,6 @@ namespace {
 
 constexpr int64_t kTile = 32;        // output columns per tile
 constexpr int64_t kStepBytes = 128;  // bytes of a tile per step of the K loop
-constexpr int64_t kPrefetchBytes = 16 * 1024;
 constexpr int64_t kChunkRows = 64;
 constexpr int kBlockRows = 8;
 constexpr int kFewRows = 4;
@@ -183,8 +182,6 @@ void few_rows(const typename D::W* w, int64_t steps, const typename D::X* x, int
   int64_t p = 0;
   for (; p + 2 <= steps; p += 2) {
     const auto* s = w + p * 2 * kVec;
-    const char* ahead = reinterpret_cast<const char*>(s) + kPrefetchBytes;
-    for (int64_t line = 0; line < 2 * kStepBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + kVec);
     const __m512 b0 = _mm512_loadu_ps(s + 2 * kVec), b1 = _mm512_loadu_ps(s + 3 * kVec);
     for (int m = 0; m < M; ++m) {
