@@ -5,7 +5,7 @@ Two in-process engines of the same model: one as the engine builds it (weights c
 both turned off. Each round runs ``--requests`` requests of a ``--prompt``-token prompt to
 ``--new`` greedy tokens on each engine in turn (the order alternating), so both see the same
 moment of this host's drifting memory bandwidth; the table gives each round's decode tok/s
-(the steps after the first) and the median of the per-round ratios.
+(the steps after every request has its first token) and the median of the per-round ratios.
 
     python benchmarks/scripts/huge_pages_ab.py --model smollm2 --dtype bfloat16 --rounds 10
     python benchmarks/scripts/huge_pages_ab.py --requests 64 --new 64 --rounds 4
@@ -42,18 +42,21 @@ def build(mdir: Path, args: argparse.Namespace, huge: bool):  # type: ignore[no-
 
 
 def decode_tok_s(engine, prompts: list[list[int]], new: int, tag: str) -> float:  # type: ignore[no-untyped-def]
-    """Output tokens after each request's first, over the time after the first step."""
+    """Output tokens over the time from when every request has its first token (the prefill
+    steps left out) to the end."""
     from pagedserve import SamplingParams
     from pagedserve.messages import AddRequest
 
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(AddRequest(f"{tag}-{i}", p, params))
-    engine.step()  # the prefill (one step for these sizes), left out
-    start = time.perf_counter()
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started.update(d.request_id for d in engine.step())
+    start, tokens = time.perf_counter(), 0
     while engine.has_unfinished():
-        engine.step()
-    return len(prompts) * (new - 1) / (time.perf_counter() - start)
+        tokens += sum(len(c.token_ids) for d in engine.step() for c in d.completions)
+    return tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
