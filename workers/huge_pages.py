@@ -1,18 +1,18 @@
-"""The weights and the KV pool in 2 MiB pages (Linux transparent huge pages), on the CPU.
+"""The weights in 2 MiB pages (Linux transparent huge pages), on the CPU.
 
 A decode step at a small batch streams every weight once, so its speed is the speed of that
 stream. Over 4 KiB pages the stream pays a TLB miss every 4 KiB, and the hardware prefetcher
 stops at each page's end, so the same kernel streams slower from 4 KiB pages
-(``docs/results/performance.md`` section 12 has the measurements).
-Anonymous memory gets 2 MiB pages only where it is asked for (the usual ``madvise`` setting of
-``/sys/kernel/mm/transparent_hugepage/enabled``):
-
-- weights, loaded and packed into the allocator's memory, are collapsed in place
-  (``MADV_COLLAPSE``, Linux 6.1+): every 2 MiB window that holds some weight;
-- the KV pool is one large allocation, marked (``MADV_HUGEPAGE``) before it is first written.
+(``docs/results/performance.md`` section 12 has the measurements). Anonymous memory gets
+2 MiB pages only where it is asked for (the usual ``madvise`` setting of
+``/sys/kernel/mm/transparent_hugepage/enabled``), so the loader collapses the weights in place
+once they are loaded and packed (``collapse``: ``MADV_COLLAPSE``, Linux 6.1+), every 2 MiB
+window that holds some weight. ``advise`` asks for 2 MiB pages under memory not yet written
+(``MADV_HUGEPAGE``); the KV pool does not take it: faulting a fresh 1 GiB pool in 2 MiB pages
+cost up to 1.6 s of the kernel's compaction on this host, at every engine start.
 
 Both are advice: where the kernel refuses (an older kernel, huge pages off, not Linux) the
-memory stays in 4 KiB pages, works the same, and the log says so once.
+memory stays in 4 KiB pages, works the same, and the log says so.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ import torch
 
 from pagedserve.kernels import needs_scale, swap_blocks
 from pagedserve.messages import KVCacheLayout, LayerKVSpec
-from pagedserve.workers import huge_pages
 from pagedserve.workers.layers.attention import PagedAttention
 
 
@@ -83,12 +82,9 @@ class KVPool:
         """One more device tensor ``[num_blocks, 2, B, H_kv, D]`` (and its host-tier twin)."""
         layout = self.layout
         shape = (layout.num_blocks, 2, layout.block_size, num_kv_heads, head_dim)
-        # Zeroed: the null block and unwritten slots must never hold NaN. On the CPU the pool
-        # asks for 2 MiB pages before its first write (workers/huge_pages.py).
-        pool = torch.empty(shape, dtype=self.dtype, device=device)
-        if device.type == "cpu":
-            huge_pages.advise(pool)
-        self.tensors.append(pool.zero_())
+        # zeros, not empty: the null block and unwritten slots must never hold NaN. Not in
+        # 2 MiB pages: see workers/huge_pages.py for what they cost a pool at start.
+        self.tensors.append(torch.zeros(shape, dtype=self.dtype, device=device))
         if layout.num_host_blocks:
             host_shape = (layout.num_host_blocks, *shape[1:])
             pin = device.type == "cuda"

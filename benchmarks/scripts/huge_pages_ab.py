@@ -1,11 +1,11 @@
-"""Weights and KV pool in 2 MiB pages against 4 KiB pages, paired in one process.
+"""Weights in 2 MiB pages against 4 KiB pages, paired in one process.
 
 Two in-process engines of the same model: one as the engine builds it (weights collapsed into
-2 MiB pages after loading, the KV pool advised for them: ``workers/huge_pages.py``), one with
-both turned off. Each round runs ``--requests`` requests of a ``--prompt``-token prompt to
-``--new`` greedy tokens on each engine in turn (the order alternating), so both see the same
-moment of this host's drifting memory bandwidth; the table gives each round's decode tok/s
-(the steps after every request has its first token) and the median of the per-round ratios.
+2 MiB pages after loading: ``workers/huge_pages.py``), one with the collapse turned off. Each
+round runs ``--requests`` requests of a ``--prompt``-token prompt to ``--new`` greedy tokens
+on each engine in turn (the order alternating), so both see the same moment of this host's
+drifting memory bandwidth; the table gives each round's decode tok/s (the steps after every
+request has its first token) and the median of the per-round ratios.
 
     python benchmarks/scripts/huge_pages_ab.py --model smollm2 --dtype bfloat16 --rounds 10
     python benchmarks/scripts/huge_pages_ab.py --requests 64 --new 64 --rounds 4
@@ -36,8 +36,7 @@ def build(mdir: Path, args: argparse.Namespace, huge: bool):  # type: ignore[no-
                        kv_cache_memory_bytes=args.kv_mib << 20)
     if huge:
         return build_engine(config)
-    with mock.patch.object(huge_pages, "collapse", lambda tensors: 0), \
-            mock.patch.object(huge_pages, "advise", lambda t: False):
+    with mock.patch.object(huge_pages, "collapse", lambda tensors: 0):
         return build_engine(config)
 
 
