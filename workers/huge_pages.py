@@ -7,18 +7,19 @@ stops at each page's end, so the same kernel streams slower from 4 KiB pages
 2 MiB pages only where it is asked for (the usual ``madvise`` setting of
 ``/sys/kernel/mm/transparent_hugepage/enabled``), so the loader collapses the weights in place
 once they are loaded and packed (``collapse``: ``MADV_COLLAPSE``, Linux 6.1+), every 2 MiB
-window that holds some weight. ``advise`` asks for 2 MiB pages under memory not yet written
-(``MADV_HUGEPAGE``); the KV pool does not take it: faulting a fresh 1 GiB pool in 2 MiB pages
-cost up to 1.6 s of the kernel's compaction on this host, at every engine start.
+window that holds some weight. The KV pool stays in 4 KiB pages: asked for 2 MiB pages before
+its first write (``MADV_HUGEPAGE``), a fresh 1 GiB pool cost up to 1.6 s of the kernel's
+compaction on this host, at every engine start.
 
-Both are advice: where the kernel refuses (an older kernel, huge pages off, not Linux) the
-memory stays in 4 KiB pages, works the same, and the log says so.
+The collapse is advice: where the kernel refuses (an older kernel, huge pages off, not Linux)
+the memory stays in 4 KiB pages, works the same, and the log says so.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import sys
 from collections.abc import Iterable
@@ -29,7 +30,6 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 
 
@@ -51,7 +51,7 @@ _madvise = _libc_madvise()
 def madvise(start: int, length: int, advice: int) -> int:
     """0, or the errno of ``madvise(start, length, advice)`` (ENOSYS off Linux)."""
     if _madvise is None:
-        return 38
+        return errno.ENOSYS
     return 0 if _madvise(start, length, advice) == 0 else ctypes.get_errno()
 
 
@@ -87,7 +87,7 @@ def _windows(tensors: Iterable[torch.Tensor]) -> list[int]:
     storage, in address order."""
     starts: set[int] = set()
     for t in tensors:
-        if t.device.type != "cpu" or t.is_mkldnn or t.untyped_storage().nbytes() == 0:
+        if t.device.type != "cpu" or t.is_mkldnn:
             continue
         s = t.untyped_storage()
         lo, hi = s.data_ptr(), s.data_ptr() + s.nbytes()
@@ -111,11 +111,3 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
                  sum(refused.values()), sorted(refused))
     return done
 
-
-def advise(t: torch.Tensor) -> bool:
-    """Ask for 2 MiB pages under ``t``'s storage, before it is first written (the windows
-    wholly inside it); False where the kernel refuses."""
-    s = t.untyped_storage()
-    lo = -(-s.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    hi = (s.data_ptr() + s.nbytes()) // HUGE_PAGE * HUGE_PAGE
-    return t.device.type == "cpu" and (hi <= lo or madvise(lo, hi - lo, MADV_HUGEPAGE) == 0)

@@ -4,8 +4,8 @@ revision, in one process, streaming a whole model's weights.
 Each revision is built as its own extension (``cpu_kernels.build_revision``). The weights are
 SmolLM2's 120 layer projections (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536), or with ``--head`` four copies of its LM head (49152x576), tiled, laid end to end in
-one buffer in 2 MiB pages (``--pages 2m``, advised before the first write as the engine's
-weights are collapsed: ``workers/huge_pages.py``) or 4 KiB pages (``--pages 4k``). One pass
+one buffer in 2 MiB pages (``--pages 2m``, collapsed once written, as the engine's weights
+are: ``workers/huge_pages.py``) or 4 KiB pages (``--pages 4k``). One pass
 multiplies ``--rows`` rows by every weight once, as a decode step does; the revisions take
 passes in turns (``cpu_kernels.time_alternating``). Prints each revision's median pass, the
 bandwidth it implies, their ratio and the largest difference between their outputs.
@@ -39,8 +39,6 @@ def weights(shapes: list[tuple[int, int]], dtype: torch.dtype, huge: bool) -> li
     raw = torch.empty(total + pad, dtype=dtype)
     start = (-raw.data_ptr() % huge_pages.HUGE_PAGE) // dtype.itemsize
     arena = raw[start : start + total]
-    if huge and not huge_pages.advise(arena):
-        raise SystemExit("the kernel refused 2 MiB pages here; run with --pages 4k")
     out, at = [], 0
     g = torch.Generator().manual_seed(0)
     for n, k in shapes:
@@ -49,6 +47,8 @@ def weights(shapes: list[tuple[int, int]], dtype: torch.dtype, huge: bool) -> li
         view.copy_(tiled)
         out.append(view)
         at += n * k
+    if huge and huge_pages.collapse([arena]) == 0:
+        raise SystemExit("the kernel refused 2 MiB pages here; run with --pages 4k")
     return out
 
 

@@ -1,4 +1,4 @@
-"""Weights and the KV pool in 2 MiB pages: the memory the kernel reports under each tensor
+"""Weights in 2 MiB pages: the memory the kernel reports under a collapsed tensor
 (``/proc/self/smaps``), the contents unchanged, and every tensor a loaded model computes with
 found by the walk over its modules."""
 
@@ -53,19 +53,6 @@ def test_collapse_keeps_contents_and_moves_them_into_huge_pages() -> None:
     assert torch.equal(x, want)
     assert done % huge_pages.HUGE_PAGE == 0 and done <= 4 * huge_pages.HUGE_PAGE
     assert huge_bytes_under(x) >= huge_pages.HUGE_PAGE
-
-
-@linux
-def test_advise_before_the_first_write_gives_huge_pages() -> None:
-    if thp_mode() == "never":
-        pytest.skip("transparent huge pages are off on this host")
-    # 40 MiB: above glibc's largest mmap threshold, so fresh pages (a reused heap range that
-    # was written before keeps its 4 KiB pages: the advice is for memory not yet touched).
-    pool = torch.empty(20 * huge_pages.HUGE_PAGE // 2, dtype=torch.bfloat16)
-    assert huge_pages.advise(pool)
-    pool.zero_()
-    assert not pool.any()
-    assert huge_bytes_under(pool) >= 16 * huge_pages.HUGE_PAGE
 
 
 def test_windows_cover_each_storage_once() -> None:
