@@ -189,6 +189,10 @@ class AddRequest:
     resume: ResumeState | None = None
     """Set when a front end resubmits a request whose controller died: what the client has
     already received of it, from which the new controller carries on."""
+    final_only: bool = False
+    """One delta, when the request finishes, instead of one per step: for a client that reads
+    only final outputs (``LLM.generate``), so a step costs it no message. A controller that
+    dies takes the request's progress with it; the new one starts it over."""
 
 
 @dataclass(slots=True)

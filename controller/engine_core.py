@@ -137,7 +137,7 @@ class EngineCore:
         head, seqs = request_group(rid, ids, params, detokenizer, hasher=self.hasher,
                                    cache_salt=req.cache_salt, arrival_time=arrival_time,
                                    priority=req.priority)
-        group = RequestGroup(rid, seqs, head if params.n > 1 else None)
+        group = RequestGroup(rid, seqs, head if params.n > 1 else None, req.final_only)
         if req.resume is not None:  # moved here from a controller that died
             resume_group(group, head, req.resume, self.vocab_size, self.scheduler)
         self._groups[rid] = group

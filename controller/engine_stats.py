@@ -32,12 +32,17 @@ class SchedulerStats:
     batched_tokens_sum: int = 0
 
 
+def _shallow(obj: object) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+
+
 def engine_stats(
     sched: SchedulerStats, kv: KVCacheManager, num_blocks: int, core: dict[str, int | float]
 ) -> dict[str, int | float]:
     """Scheduler counters, KV usage of both tiers, prefix-cache hits per tier (tokens), and
     the core's own numbers (``core``: timings, integrity checks) last."""
-    stats: dict[str, int | float] = dataclasses.asdict(sched)
+    # Field by field: ``dataclasses.asdict`` deep-copies, and this runs once a step.
+    stats: dict[str, int | float] = _shallow(sched)
     stats["kv_blocks_total"] = num_blocks - 1  # without the null block
     stats["kv_blocks_used"] = stats["kv_blocks_total"] - kv.num_free_blocks
     # Token capacity grows with decode context parallelism: a block spans B x dcp tokens.
@@ -51,7 +56,7 @@ def engine_stats(
     stats["kv_host_blocks_total"] = total
     stats["kv_host_blocks_used"] = total - host.num_free_blocks if host is not None else 0
     tier_stats = host.stats if host is not None else HostTierStats()
-    for name, value in dataclasses.asdict(tier_stats).items():
+    for name, value in _shallow(tier_stats).items():
         stats[f"kv_host_{name}"] = value
     stats.update(core)
     return stats

@@ -68,6 +68,8 @@ class RequestGroup:
     request_id: str
     seqs: list[Request]
     parent: Request | None
+    final_only: bool = False
+    """``delta()`` only once finished (``AddRequest.final_only``)."""
     num_emitted_prompt_logprobs: int = 0
 
     @property
@@ -85,6 +87,8 @@ class RequestGroup:
         return parent + [s.request_id for s in self.seqs]
 
     def delta(self) -> RequestDelta | None:
+        if self.final_only and not self.finished:
+            return None
         comps = [d for s in self.seqs if (d := take_delta(s)) is not None]
         # Every sequence of the group (and its fork parent) shares one prompt-logprobs list.
         lps = self.seqs[0].prompt_logprobs
@@ -157,7 +161,8 @@ class OutputAccumulator:
 def final_output_sink(
     request: AddRequest, done: Callable[[RequestOutput], None]
 ) -> Callable[[RequestDelta], None]:
-    """A sink that accumulates ``request``'s deltas and calls ``done`` with the final output."""
+    """A sink that accumulates ``request``'s deltas and calls ``done`` with the final output
+    (one delta, where ``request.final_only``)."""
     acc = OutputAccumulator(
         request.request_id, request.prompt, list(request.prompt_token_ids), request.params.n
     )

@@ -96,7 +96,8 @@ class LLM:
         try:
             for prompt, sp in zip(batch, params, strict=True):
                 text, token_ids = self._encode(prompt)
-                add = AddRequest(f"llm-{next(self._ids)}", token_ids, sp, text, cache_salt)
+                add = AddRequest(f"llm-{next(self._ids)}", token_ids, sp, text, cache_salt,
+                                 final_only=True)
                 pending.append(client.submit(add, final_output_sink(add, done.put)))
                 request_ids.append(add.request_id)
             for fut in pending:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks" / "scripts"
@@ -153,3 +154,20 @@ def test_layer_step_and_single_stream_quick(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "| pagedserve-local |" in proc.stdout
     assert "llama.cpp: skipped" in proc.stdout
+
+
+def test_proc_cpu_files_this_process_as_the_client() -> None:
+    """single_stream.py's CPU-by-role accounting: CPU burnt here shows as the client's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("proc_cpu", BENCHMARKS / "proc_cpu.py")
+    proc_cpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proc_cpu)
+    before = proc_cpu.cpu_seconds()
+    assert before[os.getpid()][0] == "client"
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.3:
+        pass
+    spent = proc_cpu.cpu_by_role(before, proc_cpu.cpu_seconds())
+    assert set(spent) == set(proc_cpu.ROLES)
+    assert 0.2 <= spent["client"] <= 5.0  # other tests' Ray processes may run meanwhile

@@ -26,6 +26,9 @@ The engine's own cost: ``pagedserve-local`` also reports the worker's share of a
 (``ModelRunner.execute``: input preparation, the forward pass, sampling), from the engine's
 ``time_execute_s`` over the decode steps; each pagedserve row's "over the step" column is its
 time per token minus that, the controller's and the transport's share of the critical path.
+On the Ray path the last column is the CPU time per decoded token of the processes beside the
+worker (``/proc``, over the timed decode runs): the controller actor, this client process and
+Ray's own services. On two cores every millisecond of it is taken from the worker's threads.
 
     python benchmarks/scripts/single_stream.py --model smollm2 --dtype bfloat16
     python benchmarks/scripts/single_stream.py --vllm-venv /path/to/vllm-venv --out FILE.md
@@ -46,6 +49,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from peers import model_dir  # noqa: E402
+from proc_cpu import cpu_by_role, cpu_seconds  # noqa: E402
 
 from pagedserve.benchmarks.report import emit_table  # noqa: E402
 
@@ -119,10 +123,14 @@ def child_pagedserve(args: argparse.Namespace) -> dict:
                     s1["num_steps"] - s0["num_steps"])
 
         pp, pp_exec, pp_steps = timed_runs(one)
+        cpu0 = cpu_seconds()
         tg, tg_exec, tg_steps = timed_runs(many)
+        cpu = cpu_by_role(cpu0, cpu_seconds())
         # The decode steps alone: the long runs' steps less the prefill runs' (one each).
         step_s = (tg_exec - pp_exec) / max(1, tg_steps - pp_steps)
-        return {"pp_s": pp, "tg_s": tg, "step_s": step_s}
+        tokens = args.repeats * args.new
+        return {"pp_s": pp, "tg_s": tg, "step_s": step_s,
+                "cpu_ms": {role: 1e3 * s / tokens for role, s in cpu.items()}}
     finally:
         llm.shutdown()
 
@@ -211,7 +219,8 @@ def main() -> None:
             for engine in engines:
                 r = run_engine(engine, args, mdir, prompt, cwd)
                 runs[engine].append({"tg": (args.new - 1) / (r["tg_s"] - r["pp_s"]),
-                                     "pp": args.prompt / r["pp_s"], "step_s": r.get("step_s")})
+                                     "pp": args.prompt / r["pp_s"], "step_s": r.get("step_s"),
+                                     "cpu_ms": r.get("cpu_ms")})
                 print(f"round {rnd + 1} {engine}: {runs[engine][-1]}", flush=True)
             lc = run_llama_bench(args)
             if lc is not None:
@@ -226,12 +235,16 @@ def main() -> None:
             f"decode step {wbytes / 1e6:.0f} MB; read bandwidth probe {roof:.1f} GB/s", "",
             "| engine | decode tok/s | per round | ms/token | over the local worker step "
             "(ms) | implied GB/s, share of the probe | prefill tok/s (pp) | decode vs "
-            "llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+            "llama.cpp | CPU ms/token beside the worker: controller, client, Ray |",
+            "|---|---|---|---|---|---|---|---|---|"]
     median = statistics.median
     for engine, rs in runs.items():
         tg = median(r["tg"] for r in rs)
         per_round = ", ".join(f"{r['tg']:.1f}" for r in rs)
-        over = ratio = "-"
+        over = ratio = cpu = "-"
+        if rs[0].get("cpu_ms") and engine.endswith(("pagedserve", "sync", "base")):
+            cpu = ", ".join(f"{median(r['cpu_ms'][role] for r in rs):.2f}"
+                            for role in ("controller", "client", "ray services"))
         if engine.startswith("pagedserve") and local_step[0].get("step_s"):
             # Within each round: this engine's time per token less the local worker's step.
             pairs = zip(rs, local_step, strict=True)
@@ -242,7 +255,7 @@ def main() -> None:
         gbs = tg * wbytes / 1e9
         rows.append(f"| {engine} | {tg:.1f} | {per_round} | {1e3 / tg:.2f} | {over} | "
                     f"{gbs:.1f}, {gbs / roof:.0%} | {median(r['pp'] for r in rs):.0f} | "
-                    f"{ratio} |")
+                    f"{ratio} | {cpu} |")
     if local_step[0].get("step_s"):
         steps = [1e3 * s["step_s"] for s in local_step]
         rows += ["", f"The local worker's decode step (`ModelRunner.execute`): "

@@ -105,7 +105,7 @@ def _generate_prompts(client: EngineClient, args: argparse.Namespace) -> int:
     prompts = [label for label, _, _ in items]
     results: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
     for i, (_, text, ids) in enumerate(items):
-        add = AddRequest(f"prompt-{i}", ids, params, text)
+        add = AddRequest(f"prompt-{i}", ids, params, text, final_only=True)
         client.add_request(add, final_output_sink(add, results.put))
     outs: dict[str, RequestOutput] = {}
     while len(outs) < len(prompts):

@@ -329,7 +329,7 @@ def run_job(
                 try:
                     in_flight[request_id] = item
                     add = AddRequest(request_id, item.token_ids, item.params, item.prompt,
-                                     item.cache_salt)
+                                     item.cache_salt, final_only=True)
                     client.add_request(add, final_output_sink(add, finished.put))
                 except EngineDeadError:
                     in_flight.pop(request_id, None)

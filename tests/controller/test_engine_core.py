@@ -126,6 +126,45 @@ def test_step_outputs_and_stats(kit):
     assert eng.step() == []
 
 
+def test_final_only_requests_get_one_delta_with_everything(kit):
+    """``final_only`` (``LLM.generate``'s requests) changes when outputs travel, not what they
+    say: the same workload, n=3, logprobs, a stop string and an abort included, gives the same
+    final outputs as per-step deltas, in one delta per request."""
+
+    def run(final_only: bool) -> tuple[dict, dict[str, int]]:
+        eng = kit.make_engine(num_gpu_blocks=14, max_num_batched_tokens=16)
+        eng.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=5),
+                        final_only=final_only)
+        eng.add_request("b", list(range(1, 31)), SamplingParams(n=3, max_tokens=4, seed=7),
+                        final_only=final_only)
+        eng.add_request("c", [9, 8, 7], SamplingParams(max_tokens=3, logprobs=2),
+                        final_only=final_only)
+        eng.add_request("d", [5, 6], SamplingParams(max_tokens=50), final_only=final_only)
+        deltas: dict[str, int] = {}
+        finals = {}
+        for step in range(1000):
+            if not eng.has_unfinished():
+                break
+            raw = eng.core.step()
+            for delta in raw:
+                deltas[delta.request_id] = deltas.get(delta.request_id, 0) + 1
+            for out in eng.collector.feed(raw):
+                if out.finished:
+                    finals[out.request_id] = out
+            if step == 6:
+                out = eng.abort_request("d")
+                deltas["d"] = deltas.get("d", 0) + 1
+                finals["d"] = out
+        return finals, deltas
+
+    streamed, streamed_deltas = run(False)
+    final, final_deltas = run(True)
+    assert final == streamed
+    assert len(final["d"].outputs[0].token_ids) > 0  # the abort still sends what was made
+    assert final_deltas == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert all(streamed_deltas[r] > 1 for r in "abcd")
+
+
 def test_step_hook_sees_block_fill(kit):
     eng = kit.make_engine(block_size=4)
     fills = []

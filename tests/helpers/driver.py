@@ -1,6 +1,6 @@
 """``Driven``: an ``EngineCore`` as tests like to drive it, step by step with cumulative outputs.
 
-``add_request(id, prompt_ids, params, prompt=..., cache_salt=..., priority=...)`` builds the
+``add_request(id, prompt_ids, params, prompt=..., cache_salt=..., priority=..., final_only=...)`` builds the
 ``AddRequest``; ``step()`` and ``abort_request()`` fold the engine's deltas into cumulative
 ``RequestOutput``s through the package's own ``OutputCollector``. Everything else is the
 engine's.
@@ -29,9 +29,10 @@ class Driven:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        final_only: bool = False,
     ) -> None:
         req = AddRequest(request_id, list(prompt_token_ids), params or SamplingParams(), prompt,
-                         cache_salt, priority)
+                         cache_salt, priority, final_only=final_only)
         self.core.add_request(req, arrival_time)
         self.collector.expect(req)
 
