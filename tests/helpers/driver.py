@@ -1,9 +1,9 @@
 """``Driven``: an ``EngineCore`` as tests like to drive it, step by step with cumulative outputs.
 
-``add_request(id, prompt_ids, params, prompt=..., cache_salt=..., priority=..., final_only=...)`` builds the
-``AddRequest``; ``step()`` and ``abort_request()`` fold the engine's deltas into cumulative
-``RequestOutput``s through the package's own ``OutputCollector``. Everything else is the
-engine's.
+``add_request(id, prompt_ids, params, prompt=..., cache_salt=..., priority=...,
+final_only=...)`` builds the ``AddRequest``; ``step()`` and ``abort_request()`` fold the
+engine's deltas into cumulative ``RequestOutput``s through the package's own
+``OutputCollector``. Everything else is the engine's.
 """
 
 from __future__ import annotations
