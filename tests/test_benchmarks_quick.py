@@ -56,6 +56,8 @@ def test_peers_quick(tmp_path: Path) -> None:
     for engine in ("pagedserve-local", "hf-static", "hf-cb"):
         assert f"| {engine} |" in proc.stdout
     assert "| 8/8 |" in proc.stdout
+    assert "CPU seconds over the timed call" in proc.stdout
+    assert "- pagedserve-local: " in proc.stdout and "- hf-static" not in proc.stdout
 
 
 def test_kv_tiers_quick(tmp_path: Path) -> None:

@@ -29,7 +29,9 @@ Workload: random prompt token ids, input and output lengths uniform in the given
 ``ignore_eos``, every engine at ``--dtype`` (float32 or bfloat16). The engines alternate over
 rounds (the order reverses every round), and each ratio is taken within a round, so the
 machine's drift cancels. The greedy outputs of every engine are compared token for token with
-Hugging Face's static batching.
+Hugging Face's static batching. Below the table, each pagedserve engine's CPU seconds over its
+timed call, by process (``proc_cpu.py``): the worker, the controller, the client and Ray's own
+services.
 
 How far from the machine's limit: each engine's model FLOP/s (2 x the linear layers' weights per
 token, prompt and output tokens alike; attention left out, so it is a floor) as a share of this
@@ -55,6 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from proc_cpu import ROLES, cpu_by_role, cpu_seconds  # beside this script
 
 from pagedserve.benchmarks.report import emit_table
 from pagedserve.config import cache_root
@@ -121,9 +125,11 @@ def run_pagedserve(model: str, work: dict, backend: str | None, dtype: str,
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                   for m in work["max_tokens"]]
         llm.generate(work["prompts"][:4], params[:4], use_tqdm=False)  # warm-up
+        cpu0 = cpu_seconds()
         t0 = time.perf_counter()
         outs = llm.generate(work["prompts"], params, use_tqdm=False)
         work["elapsed_s"] = time.perf_counter() - t0
+        work["cpu_s"] = cpu_by_role(cpu0, cpu_seconds())
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.shutdown()
@@ -220,7 +226,8 @@ def run_one(args: argparse.Namespace) -> None:
         outs = run_hf_static(args.model_dir, work, args.hf_batch_size, args.dtype)
     else:
         outs = run_hf_cb(args.model_dir, work, args.dtype)
-    Path(args.result).write_text(json.dumps({"elapsed_s": work["elapsed_s"], "outputs": outs}))
+    Path(args.result).write_text(json.dumps({"elapsed_s": work["elapsed_s"], "outputs": outs,
+                                             "cpu_s": work.get("cpu_s")}))
 
 
 # -- the driver ---------------------------------------------------------------------------------
@@ -340,6 +347,13 @@ def report(args: argparse.Namespace, engines: list[str], rounds: list[dict[str, 
         lines.append(f"| {e} | {statistics.median(tps):.1f} | "
                      f"{', '.join(f'{t:.1f}' for t in tps)} | {statistics.median(ratios):.2f}x | "
                      f"{fps / 1e9:.1f} G, {fps / peak:.0%} | {agree} | {prefix} |")
+    # Where the CPU went (pagedserve engines, from /proc over the timed call; medians).
+    cpu = [(e, [r[e]["cpu_s"] for r in rounds]) for e in engines if rounds[0][e].get("cpu_s")]
+    if cpu:
+        lines += ["", "CPU seconds over the timed call (median), by process: worker, "
+                  "controller, client (the whole engine when in-process), Ray services"]
+        lines += [f"- {e}: " + ", ".join(f"{statistics.median(c[role] for c in cs):.2f}"
+                                         for role in ROLES) for e, cs in cpu]
     return "\n".join(lines) + "\n"
 
 
