@@ -1,6 +1,7 @@
 """Ray controller actors killed mid-stream, with the scripted engine (no model, so a new
 controller starts in about a second): on two data-parallel replicas the killed one's streams
-go on at the other, with the tokens of an uninterrupted run; past the restart cap every request
+go on at the other, with the tokens of an uninterrupted run (a final-only request from its
+prompt, in one delta); past the restart cap every request
 ends with a typed error, none hangs, and new ones are refused."""
 
 from __future__ import annotations
@@ -103,6 +104,43 @@ def test_two_replicas_one_killed_its_streams_go_on_at_the_other(by_value) -> Non
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert router.stats()["num_controller_restarts"] == 1
+    finally:
+        router.shutdown()
+
+
+def test_final_only_requests_start_over_at_the_other_replica(by_value) -> None:
+    """A final-only request (``LLM.generate``'s) has received nothing when its controller is
+    lost: the other replica runs it from its prompt, and its one delta is the whole answer."""
+    router = _start(2, lambda: RestartPolicy(backoff_s=0.01))
+    try:
+        streams = Streams(router, 4)  # per-step deltas: they show the kill landing mid-stream
+        quiet = [AddRequest(f"q{i}", [20 + i] * (4 + i), LONG, final_only=True) for i in range(4)]
+        finals: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        deltas: dict[str, int] = {}
+        for r in quiet:
+            acc = OutputAccumulator(r.request_id, None, r.prompt_token_ids, 1)
+
+            def sink(delta, acc=acc) -> None:
+                deltas[delta.request_id] = deltas.get(delta.request_id, 0) + 1
+                if acc.add(delta).finished:
+                    finals.put(acc.output)
+
+            router.add_request(r, sink)
+        lost = {r.request_id for r in quiet if router.replica_of(r.request_id) == 0}
+        assert lost
+        streams.wait_tokens(2)
+        ray.kill(router.replicas[0].actor, no_restart=True)
+        streams.finished()
+        got: dict[str, RequestOutput] = {}
+        while len(got) < len(quiet):
+            out = finals.get(timeout=60)
+            got[out.request_id] = out
+        for r in quiet:
+            out = got[r.request_id]
+            assert out.error is None and out.outputs[0].finish_reason == "length"
+            assert out.outputs[0].token_ids == scripted.greedy_after(r.prompt_token_ids[-1], 80)
+        assert deltas == {r.request_id: 1 for r in quiet}
+        assert lost <= {rid for rid, _, why in router.routes if why == "moved"}
     finally:
         router.shutdown()
 
