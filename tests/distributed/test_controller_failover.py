@@ -1,8 +1,8 @@
 """Ray controller actors killed mid-stream, with the scripted engine (no model, so a new
 controller starts in about a second): on two data-parallel replicas the killed one's streams
 go on at the other, with the tokens of an uninterrupted run (a final-only request from its
-prompt, in one delta); past the restart cap every request
-ends with a typed error, none hangs, and new ones are refused."""
+prompt, in one delta); past the restart cap every request ends with a typed error, none hangs,
+and new ones are refused."""
 
 from __future__ import annotations
 
