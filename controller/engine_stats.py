@@ -32,8 +32,8 @@ class SchedulerStats:
     batched_tokens_sum: int = 0
 
 
-def _shallow(obj: object) -> dict:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+def _shallow(obj: SchedulerStats | HostTierStats) -> dict[str, int | float]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def engine_stats(

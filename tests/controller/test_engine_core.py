@@ -128,8 +128,8 @@ def test_step_outputs_and_stats(kit):
 
 def test_final_only_requests_get_one_delta_with_everything(kit):
     """``final_only`` (``LLM.generate``'s requests) changes when outputs travel, not what they
-    say: the same workload, n=3, logprobs, a stop string and an abort included, gives the same
-    final outputs as per-step deltas, in one delta per request."""
+    say: the same workload, n=3, logprobs and an abort included, gives the same final outputs
+    as per-step deltas, in one delta per request."""
 
     def run(final_only: bool) -> tuple[dict, dict[str, int]]:
         eng = kit.make_engine(num_gpu_blocks=14, max_num_batched_tokens=16)
