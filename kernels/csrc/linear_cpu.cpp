@@ -36,9 +36,11 @@
 // chunk's activations stay in L2 while the tiles stream past; the work items are (row chunk,
 // tile) pairs, chunk-major, split between the threads.
 //
-// Built only where the compiler targets AVX-512 (F for float32, BF16 for bf16, VNNI for int8);
-// elsewhere linear_tiled_dtypes() leaves the bit out and kernels/linear.py and
-// kernels/quant_linear.py keep oneDNN's, torch's or aten's quantized matmuls.
+// Built where the compiler targets AVX-512 (F for float32, BF16 for bf16, VNNI for int8) or,
+// for float32 alone, AVX2 with FMA (a step is then four 256-bit vectors, and a block six rows
+// over half a tile: see the AVX2 constants below); elsewhere linear_tiled_dtypes() leaves the bit out and
+// kernels/linear.py and kernels/quant_linear.py keep oneDNN's, torch's or aten's quantized
+// matmuls.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -53,8 +55,9 @@
 #include <tuple>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define PAGEDSERVE_TILED 1
 #endif
 
 namespace {
@@ -62,20 +65,62 @@ namespace {
 constexpr int64_t kTile = 32;        // output columns per tile
 constexpr int64_t kStepBytes = 128;  // bytes of a tile per step of the K loop
 constexpr int64_t kChunkRows = 64;
-constexpr int kBlockRows = 8;
-constexpr int kFewRows = 4;
 
 #if defined(__AVX512F__)
 
-// What a step of K is for each weight dtype, and how a row of x takes part in it. Accumulators
-// are __m512 throughout (int32 lanes for int8, reinterpreted).
+// One vector of 16 float32 lanes (int32 for int8's sums, reinterpreted); a step of a tile is
+// two of them. 32 registers hold four rows' accumulators with two chains each (few_rows), or
+// eight rows' over the whole tile with one (row_block).
+using V = __m512;
+constexpr int kLanes = 16;
+constexpr int kFewRows = 4;
+constexpr int kChainRegs = 16;
+constexpr int kBlockRows = 8;
+constexpr int kBlockVecs = 2;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const void* p) { return _mm512_loadu_ps(p); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* o, V v) { _mm512_storeu_ps(o, v); }
+inline V vload_out(const float* b) { return _mm512_loadu_ps(b); }
+
+#elif defined(PAGEDSERVE_TILED)
+
+// AVX2 (float32 only): a vector is 8 lanes, a step of a tile four of them, and 16 registers
+// hold one row with two chains per vector or four rows with one (few_rows, whose weight
+// vectors the multiply-adds read from memory), or six rows over half the tile (row_block: each
+// weight vector loaded feeds six multiply-adds, where a whole tile's four vectors fit beside
+// only two or three rows, whose blocks streamed the tile from L2 at half oneDNN's speed).
+using V = __m256;
+constexpr int kLanes = 8;
+constexpr int kFewRows = 4;
+constexpr int kChainRegs = 8;
+constexpr int kBlockRows = 6;
+constexpr int kBlockVecs = 2;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const void* p) { return _mm256_loadu_ps(static_cast<const float*>(p)); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* o, V v) { _mm256_storeu_ps(o, v); }
+inline V vload_out(const float* b) { return _mm256_loadu_ps(b); }
+
+#endif
+
+#if defined(PAGEDSERVE_TILED)
+
+constexpr int kVecs = kStepBytes / (4 * kLanes);  // vectors per step of a tile: 2 or 4
+
+// What a step of K is for each weight dtype, and how a row of x takes part in it.
 struct F32 {
   using W = float;
   using X = float;
   static constexpr int64_t kPerStep = 1;  // k values per step
-  static __m512 bcast(const float* x, int64_t p) { return _mm512_set1_ps(x[p]); }
-  static __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
-  static __m512 combine(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+#if defined(__AVX512F__)
+  static V bcast(const float* x, int64_t p) { return _mm512_set1_ps(x[p]); }
+  static V madd(V acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
+#else
+  static V bcast(const float* x, int64_t p) { return _mm256_broadcast_ss(x + p); }
+  static V madd(V acc, V w, V x) { return _mm256_fmadd_ps(w, x, acc); }
+#endif
+  static V combine(V a, V b) { return vadd(a, b); }
 };
 
 #if defined(__AVX512BF16__)
@@ -94,6 +139,15 @@ struct BF16 {
   }
   static __m512 combine(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 };
+
+// bf16 output elements, rounded to nearest even; a bf16 bias, widened exactly.
+inline void vstore(uint16_t* o, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline __m512 vload_out(const uint16_t* b) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 #endif
 
 #if defined(__AVX512VNNI__)
@@ -120,33 +174,21 @@ struct I8 {
 };
 #endif
 
-// Output elements: float32, or bf16 rounded to nearest even.
-inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
-inline void store16(uint16_t* o, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __m512 load16(const float* b) { return _mm512_loadu_ps(b); }
-inline __m512 load16(const uint16_t* b) {  // widened exactly
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Writes a row's 32 columns from its two float32 accumulators, plus the bias.
+// Writes n vectors of a row's columns from col on, from float32 accumulators, plus the bias.
 template <class T>
 struct Plain {
   T* out;
   int64_t os;
   const T* bias;  // [N] or null
-  void store(int64_t row, int64_t col, __m512 lo, __m512 hi) const {
-    if (bias != nullptr) {
-      lo = _mm512_add_ps(lo, load16(bias + col));
-      hi = _mm512_add_ps(hi, load16(bias + col + 16));
+  void store(int64_t row, int64_t col, const V* acc, int n) const {
+    for (int v = 0; v < n; ++v) {
+      const int64_t c = col + v * kLanes;
+      vstore(out + row * os + c, bias != nullptr ? vadd(acc[v], vload_out(bias + c)) : acc[v]);
     }
-    store16(out + row * os + col, lo);
-    store16(out + row * os + col + 16, hi);
   }
 };
 
+#if defined(__AVX512VNNI__)
 // The int8 epilogue: (sum - 128 colsum) as float32, times the row's scale, times the column's
 // (two roundings, in dequantize_int32's order), plus the bias.
 template <class T>
@@ -157,81 +199,122 @@ struct Dequant {
   const int32_t* offset;  // [N] 128 x the column's code sum
   const float* col_scale;  // [N]
   const float* row_scale;  // [T]
-  __m512 half(int64_t row, int64_t col, __m512 acc) const {
-    const __m512i exact = _mm512_sub_epi32(_mm512_castps_si512(acc),
-                                           _mm512_loadu_si512(offset + col));
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(row_scale[row]));
-    v = _mm512_mul_ps(v, _mm512_loadu_ps(col_scale + col));
-    return bias != nullptr ? _mm512_add_ps(v, load16(bias + col)) : v;
-  }
-  void store(int64_t row, int64_t col, __m512 lo, __m512 hi) const {
-    store16(out + row * os + col, half(row, col, lo));
-    store16(out + row * os + col + 16, half(row, col + 16, hi));
+  void store(int64_t row, int64_t col, const V* acc, int n) const {
+    for (int v = 0; v < n; ++v) {
+      const int64_t c = col + v * kLanes;
+      const __m512i exact = _mm512_sub_epi32(_mm512_castps_si512(acc[v]),
+                                             _mm512_loadu_si512(offset + c));
+      __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(row_scale[row]));
+      y = _mm512_mul_ps(y, _mm512_loadu_ps(col_scale + c));
+      vstore(out + row * os + c, bias != nullptr ? _mm512_add_ps(y, vload_out(bias + c)) : y);
+    }
   }
 };
+#endif
 
-// Up to four rows over one tile: w the tile, steps = K / kPerStep, x's rows xs elements apart,
-// writing rows row0.. at column col.
+// Up to kFewRows rows over one tile: w the tile, steps = K / kPerStep, x's rows xs elements
+// apart, writing rows row0.. at column col. C chains per vector (consecutive k steps) keep a
+// single row's multiply-adds in flight: two where the registers hold them (M x kVecs x 2 <=
+// kChainRegs), else one.
 template <class D, int M, class Out>
 void few_rows(const typename D::W* w, int64_t steps, const typename D::X* x, int64_t xs,
               const Out& out, int64_t row0, int64_t col) {
-  constexpr int64_t kVec = 64 / sizeof(typename D::W);  // elements per vector
-  __m512 acc[M][2][2];                                  // [row][vector][k step parity]
+  constexpr int64_t kVec = kStepBytes / kVecs / sizeof(typename D::W);  // elements per vector
+  constexpr int C = M * kVecs * 2 <= kChainRegs ? 2 : 1;
+  V acc[M][C][kVecs];  // [row][k step mod C][vector]
+#pragma GCC unroll 4
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < 2; ++v) acc[m][v][0] = acc[m][v][1] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[m][c][v] = vzero();
   int64_t p = 0;
-  for (; p + 2 <= steps; p += 2) {
-    const auto* s = w + p * 2 * kVec;
-    const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + kVec);
-    const __m512 b0 = _mm512_loadu_ps(s + 2 * kVec), b1 = _mm512_loadu_ps(s + 3 * kVec);
+  for (; p + C <= steps; p += C) {
+    const auto* s = w + p * kVecs * kVec;
+    V a[C][kVecs];
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) a[c][v] = vload(s + (c * kVecs + v) * kVec);
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) {
+        const V xc = D::bcast(x + m * xs, p + c);
+#pragma GCC unroll 4
+        for (int v = 0; v < kVecs; ++v) acc[m][c][v] = D::madd(acc[m][c][v], a[c][v], xc);
+      }
+  }
+  if (p < steps) {  // one step left over where C = 2 and steps is odd
+    const auto* s = w + p * kVecs * kVec;
+#pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
-      const __m512 xa = D::bcast(x + m * xs, p), xb = D::bcast(x + m * xs, p + 1);
-      acc[m][0][0] = D::madd(acc[m][0][0], a0, xa);
-      acc[m][1][0] = D::madd(acc[m][1][0], a1, xa);
-      acc[m][0][1] = D::madd(acc[m][0][1], b0, xb);
-      acc[m][1][1] = D::madd(acc[m][1][1], b1, xb);
+      const V xa = D::bcast(x + m * xs, p);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[m][0][v] = D::madd(acc[m][0][v], vload(s + v * kVec), xa);
     }
   }
-  if (p < steps) {
-    const auto* s = w + p * 2 * kVec;
-    const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + kVec);
-    for (int m = 0; m < M; ++m) {
-      const __m512 xa = D::bcast(x + m * xs, p);
-      acc[m][0][0] = D::madd(acc[m][0][0], a0, xa);
-      acc[m][1][0] = D::madd(acc[m][1][0], a1, xa);
-    }
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) {
+    V sum[kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) sum[v] = C == 2 ? D::combine(acc[m][0][v], acc[m][C - 1][v])
+                                                   : acc[m][0][v];
+    out.store(row0 + m, col, sum, kVecs);
   }
-  for (int m = 0; m < M; ++m)
-    out.store(row0 + m, col, D::combine(acc[m][0][0], acc[m][0][1]),
-              D::combine(acc[m][1][0], acc[m][1][1]));
 }
 
-// A block of R rows over one tile, one chain per (row, vector).
+// A block of R rows over vectors [v0, v0 + kBlockVecs) of each step of one tile (columns
+// col + v0 * kLanes on), one chain per (row, vector).
 template <class D, int R, class Out>
 void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, int64_t xs,
-               const Out& out, int64_t row0, int64_t col) {
-  constexpr int64_t kVec = 64 / sizeof(typename D::W);
-  __m512 acc[R][2];
-  for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+               const Out& out, int64_t row0, int64_t col, int v0) {
+  constexpr int64_t kVec = kStepBytes / kVecs / sizeof(typename D::W);
+  V acc[R][kBlockVecs];
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < kBlockVecs; ++v) acc[m][v] = vzero();
   for (int64_t p = 0; p < steps; ++p) {
-    const auto* s = w + p * 2 * kVec;
-    const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + kVec);
+    const auto* s = w + (p * kVecs + v0) * kVec;
+    V a[kBlockVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kBlockVecs; ++v) a[v] = vload(s + v * kVec);
+#pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
-      const __m512 xa = D::bcast(x + m * xs, p);
-      acc[m][0] = D::madd(acc[m][0], a0, xa);
-      acc[m][1] = D::madd(acc[m][1], a1, xa);
+      const V xa = D::bcast(x + m * xs, p);
+#pragma GCC unroll 4
+      for (int v = 0; v < kBlockVecs; ++v) acc[m][v] = D::madd(acc[m][v], a[v], xa);
     }
   }
-  for (int m = 0; m < R; ++m) out.store(row0 + m, col, acc[m][0], acc[m][1]);
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m) {
+    // A copy for the store to take by address: were acc's own address to escape, the compiler
+    // would store every accumulator to the stack at each step of the loop above.
+    V sum[kBlockVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kBlockVecs; ++v) sum[v] = acc[m][v];
+    out.store(row0 + m, col + v0 * kLanes, sum, kBlockVecs);
+  }
 }
 
 // row_block<D, rows> for a run-time rows in [1, R].
 template <class D, int R, class Out>
 void row_block_of(int rows, const typename D::W* w, int64_t steps, const typename D::X* x,
-                  int64_t xs, const Out& out, int64_t row0, int64_t col) {
+                  int64_t xs, const Out& out, int64_t row0, int64_t col, int v0) {
   if constexpr (R > 0) {
-    if (rows == R) return row_block<D, R>(w, steps, x, xs, out, row0, col);
-    row_block_of<D, R - 1>(rows, w, steps, x, xs, out, row0, col);
+    if (rows == R) return row_block<D, R>(w, steps, x, xs, out, row0, col, v0);
+    row_block_of<D, R - 1>(rows, w, steps, x, xs, out, row0, col, v0);
+  }
+}
+
+// few_rows<D, t> for a run-time t in [1, M].
+template <class D, int M, class Out>
+void few_rows_of(int64_t t, const typename D::W* w, int64_t steps, const typename D::X* x,
+                 int64_t xs, const Out& out, int64_t col) {
+  if constexpr (M > 0) {
+    if (t == M) return few_rows<D, M>(w, steps, x, xs, out, 0, col);
+    few_rows_of<D, M - 1>(t, w, steps, x, xs, out, col);
   }
 }
 
@@ -245,15 +328,8 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, tile_elems));
   if (t <= kFewRows) {
     at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) {
-        const auto* wt = wp + i * tile_elems;
-        switch (t) {
-          case 1: few_rows<D, 1>(wt, steps, xp, xs, out, 0, i * kTile); break;
-          case 2: few_rows<D, 2>(wt, steps, xp, xs, out, 0, i * kTile); break;
-          case 3: few_rows<D, 3>(wt, steps, xp, xs, out, 0, i * kTile); break;
-          default: few_rows<D, 4>(wt, steps, xp, xs, out, 0, i * kTile); break;
-        }
-      }
+      for (int64_t i = lo; i < hi; ++i)
+        few_rows_of<D, kFewRows>(t, wp + i * tile_elems, steps, xp, xs, out, i * kTile);
     });
     return;
   }
@@ -265,18 +341,19 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
       const int64_t end = std::min(t, (c + 1) * kChunkRows);
       for (int64_t r = c * kChunkRows; r < end; r += kBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, end - r));
-        row_block_of<D, kBlockRows>(rows, wt, steps, xp + r * xs, xs, out, r, tile * kTile);
+        for (int v0 = 0; v0 < kVecs; v0 += kBlockVecs)
+          row_block_of<D, kBlockRows>(rows, wt, steps, xp + r * xs, xs, out, r, tile * kTile, v0);
       }
     }
   });
 }
 
-#endif  // __AVX512F__
+#endif  // PAGEDSERVE_TILED
 
 // Which weight dtypes this build serves (kernels/linear.py and kernels/quant_linear.py ask).
 int64_t linear_tiled_dtypes() {
   int64_t served = 0;
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_TILED)
   served |= 1;
 #endif
 #if defined(__AVX512BF16__)
@@ -330,7 +407,7 @@ at::Tensor linear_tiled(const at::Tensor& x_in, const at::Tensor& w,
   const int64_t t = x.size(0), k = x.size(1), tiles = w.size(0), n = tiles * kTile;
   at::Tensor out = at::empty({t, n}, x.options());
   if (t == 0) return out;
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_TILED)
 #if defined(__AVX512BF16__)
   if (bf16) {
     using E = uint16_t;
