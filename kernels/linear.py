@@ -2,14 +2,14 @@
 
 Two packed layouts, chosen per weight when it is packed after loading:
 
-- **tiled** (``csrc/linear_cpu.cpp``, where the build targets AVX-512 or AVX2 with FMA for
-  float32 and AVX512-BF16 for bfloat16): the weight in tiles of 32 output columns, each one
-  contiguous stream (``tile_weight`` says how). At a decode step's few rows a matmul is a read
-  of every weight, and this kernel streams it at close to the machine's read bandwidth where
-  oneDNN's matmul reached about two thirds of it; at 64 rows and more it is level with or ahead
-  of oneDNN's (``benchmarks/scripts/cpu_kernels.py`` measures both on the checkpoints' shapes).
-  It needs ``N`` a multiple of 32 and, at bf16, ``K`` even; real checkpoints' projections all
-  are.
+- **tiled** (``csrc/linear_cpu.cpp``, where the build targets AVX-512 or AVX2 with FMA; bf16
+  by AVX512-BF16's products or, on AVX2, weights widened to float32 as they are read): the
+  weight in tiles of 32 output columns, each one contiguous stream (``tile_weight`` says how).
+  At a decode step's few rows a matmul is a read of every weight, and this kernel streams it at
+  close to the machine's read bandwidth where oneDNN's matmul reached about two thirds of it; at
+  64 rows and more it is level with or ahead of oneDNN's (``benchmarks/scripts/cpu_kernels.py``
+  measures both on the checkpoints' shapes). It needs ``N`` a multiple of 32 and, at bf16, ``K``
+  even; real checkpoints' projections all are.
 - **oneDNN** (``torch.ops.mkldnn``): the weight reordered once into oneDNN's blocked layout,
   where the tiled kernel is not built or the shape does not tile. ``F.linear`` on a plain float32
   weight calls MKL's sgemm, which re-reads the row-major weight on every call and parallelises

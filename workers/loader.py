@@ -91,7 +91,9 @@ def resolve_dtype(
     """``auto`` keeps the checkpoint dtype where the device computes it fast: on the CPU a bf16
     checkpoint stays bf16 only where the CPU has bf16 instructions (elsewhere bf16 matmuls are
     emulated, slower than float32), and float16 becomes float32. An explicit dtype is honoured
-    everywhere (bf16 on an AVX2 CPU is slow but correct)."""
+    everywhere: on an AVX2 CPU bf16's matmuls widen the weights to float32 as they read them
+    (``kernels/csrc/linear_steps.h``), so a decode step streams half float32's bytes while a
+    batch of many rows computes as float32 does."""
     if requested != "auto":
         return _DTYPES[requested]
     dtype = _DTYPES.get(str(checkpoint_dtype).removeprefix("torch."), torch.float32)

@@ -16,29 +16,32 @@
 // matmul, called per row count, read a streamed weight at about two thirds of what a sum over
 // memory reaches here, and paid a fixed cost per call that a 30-layer model pays 121 times a
 // token. One tile is 32 output columns over the whole K: each step of the K loop reads 128
-// contiguous bytes (two 512-bit vectors: 32 columns x 2 k in bf16, 32 columns x 1 k in float32),
+// contiguous bytes (32 columns x 2 k in bf16, 32 columns x 1 k in float32),
 // a thread reads its tiles as one contiguous stream, left to the hardware prefetcher. (The
 // engine's weights sit in 2 MiB pages, workers/huge_pages.py; there a software prefetch 2-64
 // KiB ahead read slower than none, and 4 KiB pages were the one case it helped, by 2-3%:
 // benchmarks/scripts/linear_ab.py, docs/results/performance.md section 12.)
 //
 // Arithmetic: bf16 weights multiply bf16 activations with vdpbf16ps (each product exact in
-// float32, pairs of k summed in float32), float32 with FMA; both accumulate in float32 and round
+// float32, pairs of k summed in float32; on AVX2 widened and multiplied-added by FMA, equally
+// exact), float32 with FMA; both accumulate in float32 and round
 // the result once to x's dtype (bf16: round to nearest even). int8 codes multiply int8
 // activation codes with vpdpbusd (four k a lane, exact int32 sums), so its result is the
 // unfused path's (torch._int_mm, then dequantize_int32) exactly, up to where the bias is added.
-// The bias is added in float32 before the rounding. Summation order differs from oneDNN's and MKL's; the parity tests
-// (tests/kernels/test_linear.py) hold it to float64 at each dtype's tolerance.
+// The bias is added in float32 before the rounding. Summation order differs from oneDNN's and
+// MKL's; the parity tests (tests/kernels/test_linear.py) hold it to float64 at each dtype's
+// tolerance.
 //
-// Rows: up to four rows share one pass over a tile, with two accumulator chains per vector (odd
-// and even k steps) so that a single row still keeps four multiply-adds in flight. Beyond four,
-// rows go in blocks of eight (sixteen chains), 64 rows at a time against each tile, so that a
-// chunk's activations stay in L2 while the tiles stream past; the work items are (row chunk,
-// tile) pairs, chunk-major, split between the threads.
+// Rows (AVX-512; linear_steps.h gives AVX2's counts): up to four rows share one pass over a
+// tile, with two accumulator chains per vector (odd and even k steps) so that a single row still
+// keeps four multiply-adds in flight. Beyond four, rows go in blocks of eight (sixteen chains),
+// 64 rows at a time against each tile, so that a chunk's activations stay in L2 while the tiles
+// stream past; the work items are (row chunk, tile) pairs, chunk-major, split between the
+// threads.
 //
-// Built where the compiler targets AVX-512 (F for float32, BF16 for bf16, VNNI for int8) or,
-// for float32 alone, AVX2 with FMA (a step is then four 256-bit vectors, and a block six rows
-// over half a tile: see the AVX2 constants below); elsewhere linear_tiled_dtypes() leaves the bit out and
+// Built where the compiler targets AVX-512 (F for float32, BF16 for bf16, VNNI for int8) or AVX2
+// with FMA (float32, and bf16 weights widened as they are read): csrc/linear_steps.h holds what
+// a step of the K loop is for each; elsewhere linear_tiled_dtypes() leaves the bit out and
 // kernels/linear.py and kernels/quant_linear.py keep oneDNN's, torch's or aten's quantized
 // matmuls.
 
@@ -55,124 +58,24 @@
 #include <tuple>
 #include <type_traits>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#define PAGEDSERVE_TILED 1
-#endif
+#include "linear_steps.h"
 
 namespace {
 
-constexpr int64_t kTile = 32;        // output columns per tile
-constexpr int64_t kStepBytes = 128;  // bytes of a tile per step of the K loop
+using namespace pagedserve::tiles;  // the step types, V, kLanes and the block sizes
+
+constexpr int64_t kTile = 32;  // output columns per tile
 constexpr int64_t kChunkRows = 64;
-
-#if defined(__AVX512F__)
-
-// One vector of 16 float32 lanes (int32 for int8's sums, reinterpreted); a step of a tile is
-// two of them. 32 registers hold four rows' accumulators with two chains each (few_rows), or
-// eight rows' over the whole tile with one (row_block).
-using V = __m512;
-constexpr int kLanes = 16;
-constexpr int kFewRows = 4;
-constexpr int kChainRegs = 16;
-constexpr int kBlockRows = 8;
-constexpr int kBlockVecs = 2;
-inline V vzero() { return _mm512_setzero_ps(); }
-inline V vload(const void* p) { return _mm512_loadu_ps(p); }
-inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
-inline void vstore(float* o, V v) { _mm512_storeu_ps(o, v); }
-inline V vload_out(const float* b) { return _mm512_loadu_ps(b); }
-
-#elif defined(PAGEDSERVE_TILED)
-
-// AVX2 (float32 only): a vector is 8 lanes, a step of a tile four of them, and 16 registers
-// hold one row with two chains per vector or four rows with one (few_rows, whose weight
-// vectors the multiply-adds read from memory), or six rows over half the tile (row_block: each
-// weight vector loaded feeds six multiply-adds, where a whole tile's four vectors fit beside
-// only two or three rows, whose blocks streamed the tile from L2 at half oneDNN's speed).
-using V = __m256;
-constexpr int kLanes = 8;
-constexpr int kFewRows = 4;
-constexpr int kChainRegs = 8;
-constexpr int kBlockRows = 6;
-constexpr int kBlockVecs = 2;
-inline V vzero() { return _mm256_setzero_ps(); }
-inline V vload(const void* p) { return _mm256_loadu_ps(static_cast<const float*>(p)); }
-inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
-inline void vstore(float* o, V v) { _mm256_storeu_ps(o, v); }
-inline V vload_out(const float* b) { return _mm256_loadu_ps(b); }
-
-#endif
 
 #if defined(PAGEDSERVE_TILED)
 
-constexpr int kVecs = kStepBytes / (4 * kLanes);  // vectors per step of a tile: 2 or 4
-
-// What a step of K is for each weight dtype, and how a row of x takes part in it.
-struct F32 {
-  using W = float;
-  using X = float;
-  static constexpr int64_t kPerStep = 1;  // k values per step
-#if defined(__AVX512F__)
-  static V bcast(const float* x, int64_t p) { return _mm512_set1_ps(x[p]); }
-  static V madd(V acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
-#else
-  static V bcast(const float* x, int64_t p) { return _mm256_broadcast_ss(x + p); }
-  static V madd(V acc, V w, V x) { return _mm256_fmadd_ps(w, x, acc); }
-#endif
-  static V combine(V a, V b) { return vadd(a, b); }
-};
-
-#if defined(__AVX512BF16__)
-struct BF16 {
-  using W = uint16_t;
-  using X = uint16_t;
-  static constexpr int64_t kPerStep = 2;
-  // x's k pair (2p, 2p + 1) as one 32-bit lane, in every lane
-  static __m512 bcast(const uint16_t* x, int64_t p) {
-    uint32_t pair;
-    __builtin_memcpy(&pair, x + 2 * p, sizeof pair);
-    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
-  }
-  static __m512 madd(__m512 acc, __m512 w, __m512 x) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
-  }
-  static __m512 combine(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-};
-
-// bf16 output elements, rounded to nearest even; a bf16 bias, widened exactly.
-inline void vstore(uint16_t* o, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+// The output vectors of n accumulators (n / D::kPairs of them) into out.
+template <class D>
+inline int fold(const V* acc, int n, V* out) {
+#pragma GCC unroll 16
+  for (int v = 0; v < n; v += D::kPairs) out[v / D::kPairs] = D::pair_sum(acc[v], acc[v + D::kPairs - 1]);
+  return n / D::kPairs;
 }
-inline __m512 vload_out(const uint16_t* b) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
-#if defined(__AVX512VNNI__)
-// int8 codes against int8 activations, summed exactly in int32 by vpdpbusd, which multiplies
-// unsigned by signed bytes: the activation codes go in offset by 128 (q ^ 0x80 is q + 128 as an
-// unsigned byte), and the epilogue takes 128 x the column's code sum back off.
-struct I8 {
-  using W = int8_t;
-  using X = int8_t;
-  static constexpr int64_t kPerStep = 4;
-  static __m512 bcast(const int8_t* x, int64_t p) {
-    uint32_t quad;
-    __builtin_memcpy(&quad, x + 4 * p, sizeof quad);
-    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(quad ^ 0x80808080u)));
-  }
-  static __m512 madd(__m512 acc, __m512 w, __m512 x) {
-    return _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc),
-                                                   _mm512_castps_si512(x),
-                                                   _mm512_castps_si512(w)));
-  }
-  static __m512 combine(__m512 a, __m512 b) {
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-  }
-};
-#endif
 
 // Writes n vectors of a row's columns from col on, from float32 accumulators, plus the bias.
 template <class T>
@@ -212,89 +115,89 @@ struct Dequant {
 };
 #endif
 
-// Up to kFewRows rows over one tile: w the tile, steps = K / kPerStep, x's rows xs elements
+// Up to D::kFew rows over one tile: w the tile, steps = K / kPerStep, x's rows xs elements
 // apart, writing rows row0.. at column col. C chains per vector (consecutive k steps) keep a
-// single row's multiply-adds in flight: two where the registers hold them (M x kVecs x 2 <=
+// single row's multiply-adds in flight: two where the registers hold them (M x D::kVecs x 2 <=
 // kChainRegs), else one.
 template <class D, int M, class Out>
 void few_rows(const typename D::W* w, int64_t steps, const typename D::X* x, int64_t xs,
               const Out& out, int64_t row0, int64_t col) {
+  constexpr int kVecs = D::kVecs;
   constexpr int64_t kVec = kStepBytes / kVecs / sizeof(typename D::W);  // elements per vector
   constexpr int C = M * kVecs * 2 <= kChainRegs ? 2 : 1;
   V acc[M][C][kVecs];  // [row][k step mod C][vector]
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
-#pragma GCC unroll 2
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c)
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int v = 0; v < kVecs; ++v) acc[m][c][v] = vzero();
   int64_t p = 0;
   for (; p + C <= steps; p += C) {
     const auto* s = w + p * kVecs * kVec;
     V a[C][kVecs];
-#pragma GCC unroll 2
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c)
-#pragma GCC unroll 4
-      for (int v = 0; v < kVecs; ++v) a[c][v] = vload(s + (c * kVecs + v) * kVec);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
+      for (int v = 0; v < kVecs; ++v) a[c][v] = D::load(s + (c * kVecs + v) * kVec);
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
-#pragma GCC unroll 2
+#pragma GCC unroll 16
       for (int c = 0; c < C; ++c) {
         const V xc = D::bcast(x + m * xs, p + c);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
         for (int v = 0; v < kVecs; ++v) acc[m][c][v] = D::madd(acc[m][c][v], a[c][v], xc);
       }
   }
   if (p < steps) {  // one step left over where C = 2 and steps is odd
     const auto* s = w + p * kVecs * kVec;
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const V xa = D::bcast(x + m * xs, p);
-#pragma GCC unroll 4
-      for (int v = 0; v < kVecs; ++v) acc[m][0][v] = D::madd(acc[m][0][v], vload(s + v * kVec), xa);
+#pragma GCC unroll 16
+      for (int v = 0; v < kVecs; ++v) acc[m][0][v] = D::madd(acc[m][0][v], D::load(s + v * kVec), xa);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int m = 0; m < M; ++m) {
-    V sum[kVecs];
-#pragma GCC unroll 4
+    V sum[kVecs], outv[kVecs];
+#pragma GCC unroll 16
     for (int v = 0; v < kVecs; ++v) sum[v] = C == 2 ? D::combine(acc[m][0][v], acc[m][C - 1][v])
                                                    : acc[m][0][v];
-    out.store(row0 + m, col, sum, kVecs);
+    out.store(row0 + m, col, outv, fold<D>(sum, kVecs, outv));
   }
 }
 
 // A block of R rows over vectors [v0, v0 + kBlockVecs) of each step of one tile (columns
-// col + v0 * kLanes on), one chain per (row, vector).
+// col + v0 / D::kPairs * kLanes on), one chain per (row, vector).
 template <class D, int R, class Out>
 void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, int64_t xs,
                const Out& out, int64_t row0, int64_t col, int v0) {
-  constexpr int64_t kVec = kStepBytes / kVecs / sizeof(typename D::W);
+  constexpr int64_t kVec = kStepBytes / D::kVecs / sizeof(typename D::W);
   V acc[R][kBlockVecs];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int m = 0; m < R; ++m)
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int v = 0; v < kBlockVecs; ++v) acc[m][v] = vzero();
   for (int64_t p = 0; p < steps; ++p) {
-    const auto* s = w + (p * kVecs + v0) * kVec;
+    const auto* s = w + (p * D::kVecs + v0) * kVec;
     V a[kBlockVecs];
-#pragma GCC unroll 4
-    for (int v = 0; v < kBlockVecs; ++v) a[v] = vload(s + v * kVec);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
+    for (int v = 0; v < kBlockVecs; ++v) a[v] = D::load(s + v * kVec);
+#pragma GCC unroll 16
     for (int m = 0; m < R; ++m) {
       const V xa = D::bcast(x + m * xs, p);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int v = 0; v < kBlockVecs; ++v) acc[m][v] = D::madd(acc[m][v], a[v], xa);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int m = 0; m < R; ++m) {
-    // A copy for the store to take by address: were acc's own address to escape, the compiler
-    // would store every accumulator to the stack at each step of the loop above.
-    V sum[kBlockVecs];
-#pragma GCC unroll 4
-    for (int v = 0; v < kBlockVecs; ++v) sum[v] = acc[m][v];
-    out.store(row0 + m, col + v0 * kLanes, sum, kBlockVecs);
+    // Folded into a copy for the store to take by address: were acc's own address to escape,
+    // the compiler would store every accumulator to the stack at each step of the loop above.
+    V outv[kBlockVecs];
+    const int n = fold<D>(acc[m], kBlockVecs, outv);
+    out.store(row0 + m, col + v0 / D::kPairs * kLanes, outv, n);
   }
 }
 
@@ -326,10 +229,10 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
   const int64_t tile_elems = steps * kStepBytes / sizeof(typename D::W);
   // A call of fewer than ~32K weight elements runs on the calling thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, tile_elems));
-  if (t <= kFewRows) {
+  if (t <= D::kFew) {
     at::parallel_for(0, tiles, grain, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i)
-        few_rows_of<D, kFewRows>(t, wp + i * tile_elems, steps, xp, xs, out, i * kTile);
+        few_rows_of<D, D::kFew>(t, wp + i * tile_elems, steps, xp, xs, out, i * kTile);
     });
     return;
   }
@@ -341,7 +244,7 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
       const int64_t end = std::min(t, (c + 1) * kChunkRows);
       for (int64_t r = c * kChunkRows; r < end; r += kBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, end - r));
-        for (int v0 = 0; v0 < kVecs; v0 += kBlockVecs)
+        for (int v0 = 0; v0 < D::kVecs; v0 += kBlockVecs)
           row_block_of<D, kBlockRows>(rows, wt, steps, xp + r * xs, xs, out, r, tile * kTile, v0);
       }
     }
@@ -356,7 +259,7 @@ int64_t linear_tiled_dtypes() {
 #if defined(PAGEDSERVE_TILED)
   served |= 1;
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(PAGEDSERVE_TILED) && !defined(__AVX512F__))
   served |= 2;
 #endif
 #if defined(__AVX512VNNI__)
@@ -408,10 +311,14 @@ at::Tensor linear_tiled(const at::Tensor& x_in, const at::Tensor& w,
   at::Tensor out = at::empty({t, n}, x.options());
   if (t == 0) return out;
 #if defined(PAGEDSERVE_TILED)
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || !defined(__AVX512F__)
   if (bf16) {
     using E = uint16_t;
-    run<BF16>(static_cast<const E*>(x.data_ptr()), t, x.stride(0), k,
+    // BF16::X: bf16 itself for vdpbf16ps; AVX2 multiplies in float32, so x is widened here,
+    // once, rather than a k pair at every step of every tile.
+    using XE = BF16::X;
+    const at::Tensor xr = std::is_same_v<XE, float> ? x.to(at::kFloat) : x;
+    run<BF16>(static_cast<const XE*>(xr.data_ptr()), t, xr.stride(0), k,
               static_cast<const E*>(w.data_ptr()), tiles,
               Plain<E>{static_cast<E*>(out.data_ptr()), n, bias_ptr<E>(bias)});
     return out;

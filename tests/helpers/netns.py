@@ -45,6 +45,8 @@ BRIDGE_IP = f"{SUBNET}.254"
 ROOT = Path("/tmp") / PREFIX  # short: Ray's unix socket paths live below it
 LOCAL = ROOT / "local"  # each host's private view (see Host.argv)
 VENV_BIN = str(Path(sys.executable).parent)
+EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+    Path.home() / ".cache" / "torch_extensions")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -91,6 +93,11 @@ class Host:
         env = {
             "PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(self.home),
+            # The compiled CPU kernels from the test process's own cache: with a home of its own
+            # each host would compile them again, a minute or more of two shared cores per host
+            # per cluster. The build folder is keyed by sources, flags, torch and CPU, and lands
+            # by one rename (kernels/cpu.py), so hosts that share it cannot see half a build.
+            "TORCH_EXTENSIONS_DIR": EXTENSIONS,
             "RAY_TMPDIR": str(LOCAL),
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONUNBUFFERED": "1",
