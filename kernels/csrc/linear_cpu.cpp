@@ -256,20 +256,26 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
 
 // bf16 x [t, K] (rows xs apart) against a bf16 tiled weight. Where D multiplies in float32
 // (AVX2), x is widened here, once, rather than a k pair at every step of every tile, into a
-// plain buffer: a tensor's allocation and copy cost 6 us a call, 5% of a decode step's
-// matmuls.
-template <class D, class Out>
+// plain buffer (a tensor's allocation and copy cost 6 us a call, 5% of a decode step's
+// matmuls), kWideRows rows at a time so that a long prefill chunk's buffer stays a few MB.
+constexpr int64_t kWideRows = 4 * kChunkRows;
+
+template <class D>
 void run_bf16(const uint16_t* x, int64_t t, int64_t xs, int64_t k, const uint16_t* w,
-              int64_t tiles, const Out& out) {
+              int64_t tiles, const Plain<uint16_t>& out) {
   if constexpr (std::is_same_v<typename D::X, float>) {
-    std::vector<float> wide(static_cast<size_t>(t * k));
-    for (int64_t r = 0; r < t; ++r) {
-      const auto* row = reinterpret_cast<const pagedserve::bf16*>(x + r * xs);
-      float* dst = wide.data() + r * k;
+    std::vector<float> wide(static_cast<size_t>(std::min(t, kWideRows) * k));
+    for (int64_t r0 = 0; r0 < t; r0 += kWideRows) {
+      const int64_t rows = std::min(kWideRows, t - r0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto* row = reinterpret_cast<const pagedserve::bf16*>(x + (r0 + r) * xs);
+        float* dst = wide.data() + r * k;
 #pragma omp simd
-      for (int64_t c = 0; c < k; ++c) dst[c] = pagedserve::load(row[c]);
+        for (int64_t c = 0; c < k; ++c) dst[c] = pagedserve::load(row[c]);
+      }
+      run<D>(wide.data(), rows, k, k, w, tiles,
+             Plain<uint16_t>{out.out + r0 * out.os, out.os, out.bias});
     }
-    run<D>(wide.data(), t, k, k, w, tiles, out);
   } else {
     run<D>(x, t, xs, k, w, tiles, out);
   }
