@@ -43,13 +43,18 @@ _LIB = "pagedserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 
 
+def extensions_root() -> Path:
+    """Where the builds live: ``TORCH_EXTENSIONS_DIR``, else torch's own default."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root)
+
+
 def _build_dir() -> Path:
     key = hashlib.sha256()
     for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_FLAGS).encode(),
                  torch.__version__.encode(), cpu_flags_line().encode()):
         key.update(part)
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    return Path(root) / f"pagedserve-cpu-{key.hexdigest()[:16]}"
+    return extensions_root() / f"pagedserve-cpu-{key.hexdigest()[:16]}"
 
 
 def _build(target: Path) -> None:

@@ -60,7 +60,6 @@
 #include <vector>
 
 #include "bf16.h"
-
 #include "linear_steps.h"
 
 namespace {
@@ -76,7 +75,9 @@ constexpr int64_t kChunkRows = 64;
 template <class D>
 inline int fold(const V* acc, int n, V* out) {
 #pragma GCC unroll 16
-  for (int v = 0; v < n; v += D::kPairs) out[v / D::kPairs] = D::pair_sum(acc[v], acc[v + D::kPairs - 1]);
+  for (int v = 0; v < n; v += D::kPairs) {
+    out[v / D::kPairs] = D::pair_sum(acc[v], acc[v + D::kPairs - 1]);
+  }
   return n / D::kPairs;
 }
 
@@ -158,7 +159,9 @@ void few_rows(const typename D::W* w, int64_t steps, const typename D::X* x, int
     for (int m = 0; m < M; ++m) {
       const V xa = D::bcast(x + m * xs, p);
 #pragma GCC unroll 16
-      for (int v = 0; v < kVecs; ++v) acc[m][0][v] = D::madd(acc[m][0][v], D::load(s + v * kVec), xa);
+      for (int v = 0; v < kVecs; ++v) {
+        acc[m][0][v] = D::madd(acc[m][0][v], D::load(s + v * kVec), xa);
+      }
     }
   }
 #pragma GCC unroll 16

@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "bf16.h"
+
 namespace pagedserve::tiles {
 
 constexpr int64_t kStepBytes = 128;  // bytes of a tile per step of the K loop
@@ -65,21 +67,14 @@ inline V vbcast(const float* x) { return _mm256_broadcast_ss(x); }
 inline void vstore(float* o, V v) { _mm256_storeu_ps(o, v); }
 inline V vload_out(const float* b) { return _mm256_loadu_ps(b); }
 
-// bf16 output elements, rounded to nearest even as torch's .to(bfloat16) does (a NaN stays a
-// quiet NaN); a bf16 bias, widened exactly.
+// bf16 output elements, rounded by bf16.h's store (nearest even, as torch's .to(bfloat16); a
+// NaN stays a quiet NaN), which the compiler vectorises; a bf16 bias, widened exactly.
 inline void vstore(uint16_t* o, V v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                            _mm256_set1_epi32(0x7f800000));
-  r = _mm256_blendv_epi8(r, nan, is_nan);
-  // 32-bit lanes below 2^16 to 16 bits: packus works within each 128-bit half, so the two
-  // halves' four values come out in 64-bit chunks 0 and 2
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b1000);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(packed));
+  alignas(32) float f[kLanes];
+  _mm256_store_ps(f, v);
+  auto* dst = reinterpret_cast<bf16*>(o);
+#pragma omp simd
+  for (int i = 0; i < kLanes; ++i) dst[i] = store<bf16>(f[i]);
 }
 inline V vload_out(const uint16_t* b) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
@@ -147,10 +142,7 @@ struct BF16 {
   // Eight accumulators a row: two rows spill a few to the stack and still run 1.2x the blocks
   // of six rows (a quarter of a step each) at two rows; more rows go to those blocks.
   static constexpr int kFew = 2;
-  static V load(const uint16_t* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  static V load(const uint16_t* p) { return vload_out(p); }  // 8 bf16, widened exactly
   // x[2p] and x[2p + 1], alternating across the lanes
   static V bcast(const float* x, int64_t p) {
     return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + 2 * p)));

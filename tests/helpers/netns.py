@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.kernels.cpu import extensions_root
+
 # One prefix and subnet per checkout, so that suites run from two checkouts on one machine
 # neither collide nor clean up each other's hosts (only this prefix's leftovers are removed).
 _TAG = int(hashlib.sha1(str(Path(__file__).resolve().parents[2]).encode()).hexdigest(), 16) % 200
@@ -45,8 +47,7 @@ BRIDGE_IP = f"{SUBNET}.254"
 ROOT = Path("/tmp") / PREFIX  # short: Ray's unix socket paths live below it
 LOCAL = ROOT / "local"  # each host's private view (see Host.argv)
 VENV_BIN = str(Path(sys.executable).parent)
-EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
-    Path.home() / ".cache" / "torch_extensions")
+EXTENSIONS = str(extensions_root())  # the test process's, resolved before any HOME is swapped
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -161,6 +161,22 @@ def test_tiled_linear_matches_float64(dtype, rows, n, k) -> None:
         assert _rel(got, want) <= TILED_TOL[dtype]
 
 
+def test_tiled_bf16_rounds_each_output_as_torch_does() -> None:
+    """One nonzero k: each output is one exact product, so the kernel's single rounding to bf16
+    must equal torch's round to nearest even bit for bit, and a NaN row stays NaN."""
+    if not tiles(torch.bfloat16):
+        pytest.skip("no tiled bf16 kernel in this build")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 2, generator=g).bfloat16()
+    x = torch.randn(9, 2, generator=g).bfloat16()
+    w[:, 1] = 0
+    x[:, 1] = 0
+    x[0, 0] = float("nan")
+    got = linear(x, None, pack_weight(w))
+    assert torch.equal(got[1:], (x[1:].float() @ w.float().T).bfloat16())
+    assert got[0].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_linear_reads_views(dtype) -> None:
     """Strided rows, an odd row stride and an odd start (bf16 reads k in 32-bit pairs), and
