@@ -259,8 +259,9 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
 
 // bf16 x [t, K] (rows xs apart) against a bf16 tiled weight. Where D multiplies in float32
 // (AVX2), x is widened here, once, rather than a k pair at every step of every tile, into a
-// plain buffer (a tensor's allocation and copy cost 6 us a call, 5% of a decode step's
-// matmuls), kWideRows rows at a time so that a long prefill chunk's buffer stays a few MB.
+// plain buffer (a tensor's allocation and copy weighed on a decode step's matmuls:
+// docs/results/performance.md section 14), kWideRows rows at a time so that a long prefill
+// chunk's buffer stays a few MB.
 constexpr int64_t kWideRows = 4 * kChunkRows;
 
 template <class D>

@@ -139,8 +139,8 @@ struct BF16 {
   static constexpr int64_t kPerStep = 2;
   static constexpr int kVecs = 8;
   static constexpr int kPairs = 2;
-  // Eight accumulators a row: two rows spill a few to the stack and still run 1.2x the blocks
-  // of six rows (a quarter of a step each) at two rows; more rows go to those blocks.
+  // Eight accumulators a row: two rows spill a few to the stack and still beat the blocks of
+  // six rows (a quarter of a step each) at two rows; more rows go to those blocks.
   static constexpr int kFew = 2;
   static V load(const uint16_t* p) { return vload_out(p); }  // 8 bf16, widened exactly
   // x[2p] and x[2p + 1], alternating across the lanes
