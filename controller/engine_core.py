@@ -211,7 +211,8 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if self._grammars is not None:
             tm = time.perf_counter()
-            sched_out.token_masks = self._grammars.step_masks(self.scheduler.requests, sched_out)
+            sched_out.token_masks = self._grammars.step_masks(self.scheduler.requests, sched_out,
+                                                              self.max_model_len)
             if sched_out.token_masks:  # what a constraint costs each step, on the step's path
                 self._time_grammar_mask += time.perf_counter() - tm
                 self._num_grammar_mask_steps += 1

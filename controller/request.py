@@ -243,7 +243,7 @@ class Request:
             # special tokens are skipped); finish() still flushes bytes held back before it.
             if detok is not None and params.include_stop_str_in_output:
                 detok.step([token_id])
-            self.finish(RequestStatus.FINISHED_STOPPED)
+            self.finish(self._stop_status())
             return
         if detok is not None:
             old_len = detok.text_len
@@ -251,11 +251,18 @@ class Request:
             if delta and self.stop_strings and may_stop and self._check_stop_strings(old_len):
                 return
         if self.grammar is not None and self.grammar.stopped and not self.is_finished:
-            self.finish(RequestStatus.FINISHED_STOPPED)  # the constraint is complete
+            self.finish(self._stop_status())  # the constraint is complete
         elif (
             params.max_tokens is not None and self.num_output_tokens >= params.max_tokens
         ) or self.num_tokens >= max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def _stop_status(self) -> RequestStatus:
+        """A stop, or a length cap where the budget forced the grammar's completion: the
+        model did not end its answer, the tokens left did."""
+        if self.grammar is not None and self.grammar.closed_by_budget:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return RequestStatus.FINISHED_STOPPED
 
     def append_output_token_ids(
         self,

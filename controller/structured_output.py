@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from pagedserve.controller.errors import InvalidGrammarError
-from pagedserve.controller.grammar_matcher import SequenceGrammar
+from pagedserve.controller.grammar_matcher import GrammarCloser, SequenceGrammar
 from pagedserve.controller.json_grammar import json_schema_grammar
 from pagedserve.controller.outputs import RequestGroup, failed_delta
 from pagedserve.controller.request import Request
@@ -69,6 +69,7 @@ class GrammarGate:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
+        self._closer: GrammarCloser | None = None
         self._cache: OrderedDict[str, cf.Future[Any]] = OrderedDict()
         self._max_cached = max_cached
         self._held: dict[str, tuple[cf.Future[Any], Request, list[Request]]] = {}
@@ -79,8 +80,10 @@ class GrammarGate:
         import llguidance.hf
 
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+            ll = llguidance.hf.from_tokenizer(
                 self._tokenizer.hf, n_vocab=self._vocab_size, eos_token=self._eos or None)
+            self._closer = GrammarCloser(ll.tokenize_bytes, self._eos[0] if self._eos else None)
+            self._ll_tokenizer = ll
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar)
         if matcher.is_error():
             raise InvalidGrammarError(f"structured_outputs: {matcher.get_error()}")
@@ -125,7 +128,7 @@ class GrammarGate:
             if error is None:
                 template = fut.result()
                 for seq in seqs:
-                    seq.grammar = SequenceGrammar(template.deep_copy())
+                    seq.grammar = SequenceGrammar(template.deep_copy(), self._closer)
                     # A resumed sequence (``controller.resume``) has tokens already.
                     if not all(map(seq.grammar.accept, seq.output_token_ids)):
                         error = InvalidGrammarError("structured_outputs: the resumed tokens "
@@ -135,9 +138,12 @@ class GrammarGate:
 
     # --------------------------------------------------------------------- step
     @staticmethod
-    def step_masks(requests: Mapping[str, Request], so: SchedulerOutput) -> dict[str, bytes]:
+    def step_masks(requests: Mapping[str, Request], so: SchedulerOutput,
+                   max_model_len: int) -> dict[str, bytes]:
         """The masks of the constrained requests that sample this step: those whose
-        scheduled tokens reach the end of their known tokens and drafts."""
+        scheduled tokens reach the end of their known tokens and drafts. Each knows the
+        tokens its sequence has left (``max_tokens``, the model's length), to close its
+        grammar in time."""
         masks: dict[str, bytes] = {}
         for rid in so.num_scheduled_tokens:
             req = requests.get(rid)
@@ -145,7 +151,10 @@ class GrammarGate:
                 continue
             drafts = so.draft_token_ids.get(rid, [])
             if req.num_computed_tokens == req.num_tokens + len(drafts):
-                masks[rid] = req.grammar.masks(drafts)
+                budget = max_model_len - req.num_tokens
+                if (max_tokens := req.sampling_params.max_tokens) is not None:
+                    budget = min(budget, max_tokens - req.num_output_tokens)
+                masks[rid] = req.grammar.masks(drafts, budget)
         return masks
 
     def shutdown(self) -> None:

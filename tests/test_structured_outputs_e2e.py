@@ -96,14 +96,39 @@ def test_regex_choice_grammar_and_json_object(llm) -> None:
 
 def test_any_json_object(llm) -> None:
     # Any object admits strings of any length, which a random model ends only by chance
-    # (about 1 in 500 tokens is a quote): those hit max_tokens inside a string.
+    # (about 1 in 500 tokens is a quote): most run into the end of max_tokens inside a string,
+    # and the grammar's completion is forced in the last tokens, so they still parse.
     params = [SamplingParams(max_tokens=48, temperature=1.0, seed=s, structured_outputs=Constraint(
         json_object=True, disable_any_whitespace=True)) for s in range(8)]
     outs = llm.generate([PROMPTS[s % 4] for s in range(8)], params, use_tqdm=False)
-    stopped = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
-    assert len(stopped) >= 4
-    assert all(isinstance(json.loads(t), dict) for t in stopped)
-    assert all(o.outputs[0].text.startswith("{") for o in outs)
+    for out in outs:
+        comp = out.outputs[0]
+        assert isinstance(json.loads(comp.text), dict), comp.text
+        assert len(comp.token_ids) <= 48
+    assert any(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_a_budget_too_short_for_the_answer_still_ends_in_a_valid_document(llm) -> None:
+    # Unbounded strings and digits, at budgets from what the smallest document takes to a few
+    # times that: wherever the model stands when the tokens run short, the rest is forced.
+    schema = {"type": "object", "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "code": {"type": "string", "pattern": "^[0-9]+-[a-z]+$"},
+        "inner": {"type": "object", "properties": {"n": {"type": "number"}},
+                  "required": ["n"]}},
+        "required": ["title", "tags", "code", "inner"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=budget, temperature=1.0, seed=budget, n=2,
+                             structured_outputs=Constraint(json=schema))
+              for budget in (64, 80, 96, 112)]
+    outs = llm.generate([PROMPTS[i % 4] for i in range(len(params))], params, use_tqdm=False)
+    reasons = []
+    for out, p in zip(outs, params, strict=True):
+        for comp in out.outputs:
+            _valid(comp.text, schema)
+            assert len(comp.token_ids) <= p.max_tokens
+            reasons.append(comp.finish_reason)
+    assert "length" in reasons
 
 
 def test_prefix_cache_hits_keep_the_constraint(llm) -> None:

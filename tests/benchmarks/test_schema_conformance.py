@@ -42,10 +42,12 @@ def test_the_set_is_well_formed() -> None:
 
 def test_a_handful_of_schemas_validate_on_smollm2(real_model_cache, capsys) -> None:
     script = _script()
-    # The checker itself: a truncated or off-schema choice is invalid.
+    # The checker itself: a truncated or off-schema choice is invalid; one the server closed
+    # when max_tokens ran short is valid, and counted apart.
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     assert script.check('{"a": 1}', "stop", schema) == (True, "")
-    assert not script.check('{"a": 1', "length", schema)[0]
+    assert script.check('{"a": 1}', "length", schema) == (True, "closed by max_tokens")
+    assert script.check('{"a": 1', "length", schema) == (False, "cut off by max_tokens")
     assert not script.check('{"a": "x"}', "stop", schema)[0]
     model = convert_into(real_model_cache)
     status = script.main(["--model", str(model), "--only", *HANDFUL, "--n", "1", "2",
@@ -55,4 +57,13 @@ def test_a_handful_of_schemas_validate_on_smollm2(real_model_cache, capsys) -> N
     # 5 schemas x (1 + 2 choices) x (whole, streamed), all valid: every string, array and
     # number of these schemas is bounded, and so are the whitespace runs and fraction digits
     # the grammar allows (controller/json_grammar.py), so no loop outlasts max_tokens.
-    assert re.search(r"\| all \| 30 \| 30 \| 100.0% \| 0 \| 0 \|", out), out
+    assert re.search(r"\| all \| 30 \| 30 \| 100.0% \| 0 \| 0 \| 0 \|", out), out
+    # A string and a pattern of digits with no bound, in a budget too short for most answers:
+    # the server closes each document in its last tokens.
+    status = script.main(["--model", str(model), "--only", "unbounded_string", "version",
+                          "--n", "2", "--stream", "off", "--max-tokens", "20",
+                          "--max-model-len", "512", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    closed = re.search(r"\| all \| 4 \| 4 \| 100.0% \| (\d) \| 0 \| 0 \|", out)
+    assert closed and int(closed[1]) > 0, out

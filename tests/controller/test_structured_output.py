@@ -4,13 +4,19 @@ to the masks the same tokens get one step at a time, the matcher left where it w
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from types import SimpleNamespace
 
+import jsonschema
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedserve.controller.errors import InvalidGrammarError
+from pagedserve.controller.grammar_matcher import CLOSING_SLACK
 from pagedserve.controller.structured_output import GrammarGate, grammar_text
 from pagedserve.messages import SamplingParamsError
 from pagedserve.messages import StructuredOutputsParams as Constraint
@@ -105,3 +111,90 @@ def test_compiled_grammars_are_cached_by_text(gate) -> None:
     text = grammar_text(Constraint(regex="x{2,5}"))
     assert gate._compiled(text) is gate._compiled(text)
     assert gate._compiled(text) is not gate._compiled(grammar_text(Constraint(regex="x{2,6}")))
+
+
+# A schema whose strings, digits and arrays run on for as long as the sampler likes, with
+# required properties, a pattern and nesting that a completion has to fill in.
+_OPEN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "code": {"type": "string", "pattern": "^[0-9]+-[a-z]+$"},
+        "size": {"type": "integer", "minimum": 3},
+        "inner": {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"]},
+    },
+    "required": ["title", "tags", "code", "size", "inner"],
+    "additionalProperties": False,
+}
+
+
+def _random_walk(grammar, vocab: int, draw_index, steps: int) -> list[int]:
+    """Take up to ``steps`` tokens the grammar allows, chosen by ``draw_index``."""
+    taken = []
+    for _ in range(steps):
+        if grammar.stopped:
+            break
+        allowed = np.flatnonzero(_bits(grammar.masks([]), vocab))
+        token = int(allowed[draw_index(len(allowed))])
+        assert grammar.accept(token)
+        taken.append(token)
+    return taken
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(0, 60),
+       st.sampled_from(["json", "regex", "lark"]))
+def test_the_closing_completes_the_grammar_from_wherever_a_sequence_stands(
+        gate, byte_tokenizer, rnd, steps, kind) -> None:
+    tok = byte_tokenizer
+    spec = {"json": Constraint(json=_OPEN_SCHEMA),
+            "regex": Constraint(regex=r"[a-z]+(-[0-9]+)*\.[a-z]{2,}"),
+            "lark": Constraint(grammar='start: "(" item ("," item)* ")"\nitem: /[a-z]+[0-9]*/')}
+    (seq,) = _held(gate, spec[kind])
+    grammar = seq.grammar
+    taken = _random_walk(grammar, tok.vocab_size, lambda n: rnd.randrange(n), steps)
+    if grammar.stopped:
+        return
+    closing = gate._closer.closing(grammar._matcher)
+    assert closing is not None
+    before = grammar.masks([])
+    assert before == grammar.masks([])  # the walk left the matcher where it was
+    for t in closing:
+        assert grammar.accept(t)
+    assert grammar.stopped
+    eos = tok.hf.eos_token_id
+    text = tok.decode([t for t in taken + closing if t != eos])
+    if kind == "json":
+        jsonschema.validate(json.loads(text), _OPEN_SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(r"[a-z]+(-[0-9]+)*\.[a-z]{2,}", text), text
+    else:
+        assert re.fullmatch(r"\([a-z]+[0-9]*(,[a-z]+[0-9]*)*\)", text), text
+
+
+def test_near_the_end_of_its_budget_a_sequence_is_forced_through_its_closing(
+        gate, byte_tokenizer) -> None:
+    vocab = byte_tokenizer.vocab_size
+    (seq,) = _held(gate, Constraint(json=_OPEN_SCHEMA))
+    grammar = seq.grammar
+    _random_walk(grammar, vocab, lambda n: n // 2, 12)  # into the title string, say
+    closing = gate._closer.closing(grammar._matcher)
+    width = len(grammar.masks([]))
+    # With room to spare the sequence samples freely; the closing starts once the tokens left
+    # are within the slack of its length.
+    roomy = grammar.masks([], budget=len(closing) + CLOSING_SLACK + 1)
+    assert _bits(roomy, vocab).sum() > 1 and not grammar.closed_by_budget
+    row = grammar.masks([], budget=len(closing) + CLOSING_SLACK)
+    assert grammar.closed_by_budget
+    assert np.flatnonzero(_bits(row, vocab)).tolist() == [closing[0]]
+    # Drafts on the forced path get the forced rows; the position after one off it is unused.
+    rows = grammar.masks(closing[:2] + [closing[0]])
+    assert [np.flatnonzero(_bits(rows[i * width:(i + 1) * width], vocab)).tolist()
+            for i in range(3)] == [[closing[0]], [closing[1]], [closing[2]]]
+    off = grammar.masks([closing[1]])
+    assert off[width:] == b"\xff" * width
+    for t in closing:
+        assert np.flatnonzero(_bits(grammar.masks([], budget=1), vocab)).tolist() == [t]
+        assert grammar.accept(t)
+    assert grammar.stopped and grammar.closed_by_budget
