@@ -9,7 +9,8 @@ the sequence stands, the matcher stops offering choices and forces a completion:
 string is closed, required properties get small values, open brackets close. The completion
 comes from a greedy walk over the grammar (``GrammarCloser``), short but not always the
 shortest. The client gets a document that follows its constraint, with ``finish_reason``
-``length``, since the budget ended it, not the model.
+``length``, since the budget ended it, not the model (``stop`` where the grammar forced every
+byte of the completion anyway).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["CLOSING_SLACK", "GrammarCloser", "SequenceGrammar"]
+__all__ = ["CLOSING_SLACK", "Closing", "GrammarCloser", "SequenceGrammar"]
 
 CLOSING_SLACK = 16
 """Tokens kept in hand when the closing starts: one sampled token can open what takes several
@@ -39,6 +40,14 @@ _RECENT = 32  # bytes: how far back the walk counts what it wrote
 _MAX_CLOSING = 512  # bytes; a grammar that needs more is left to run out
 
 
+class Closing(NamedTuple):
+    """A completion of a grammar, and whether the walk chose anything in it (False when the
+    grammar forced every byte: the sequence had nothing else to write)."""
+
+    tokens: list[int]
+    chosen: bool
+
+
 class GrammarCloser:
     """Finds a short completion of a grammar from a matcher's state, as tokens. Built once per
     tokenizer, from its ``tokenize`` (bytes to token ids) and EOS token."""
@@ -50,12 +59,13 @@ class GrammarCloser:
         self._tokenize = tokenize
         self._eos = eos
 
-    def closing(self, m: Any) -> list[int] | None:
-        """Tokens that complete the grammar from ``m``'s state (the matcher is left as it
-        was), ending with EOS where the grammar needs one to stop; None when the walk finds
-        no completion within ``_MAX_CLOSING`` bytes."""
+    def closing(self, m: Any) -> Closing | None:
+        """A completion of the grammar from ``m``'s state (the matcher is left as it was),
+        ending with EOS where the grammar needs one to stop; None when the walk finds none
+        within ``_MAX_CLOSING`` bytes."""
         text = bytearray()
         tokens: list[int] = []
+        chosen = False
         try:
             while not (m.is_stopped() or m.is_accepting()):
                 if len(text) >= _MAX_CLOSING:
@@ -71,6 +81,7 @@ class GrammarCloser:
                 step = self._next_byte(m, text)
                 if step is None:
                     return None
+                chosen |= not forced or step[0] != forced[0]
                 m.consume_token(step[1])
                 text.append(step[0])
                 tokens.append(step[1])
@@ -83,11 +94,11 @@ class GrammarCloser:
         joined = list(self._tokenize(bytes(text)))
         if len(joined) < len(tokens) and m.validate_tokens(joined) == len(joined):
             tokens = joined
-        if needs_eos:
+        if needs_eos:  # the grammar would take more: ending here is a choice too
             if self._eos is None:
                 return None
             tokens.append(self._eos)
-        return tokens
+        return Closing(tokens, chosen or needs_eos)
 
     def _next_byte(self, m: Any, text: bytearray) -> tuple[int, int] | None:
         """The first byte of the closing order the grammar takes next, those the walk wrote
@@ -118,7 +129,8 @@ class SequenceGrammar:
         self._next_look: int | None = None
         """The budget at or under which to look for the closing again (None: at once)."""
         self.closed_by_budget = False
-        """The budget ran short and the grammar was completed by force."""
+        """The budget ran short and the grammar was completed by force, with choices the
+        model did not make (not when the grammar forced every byte of the completion)."""
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it."""
@@ -172,11 +184,11 @@ class SequenceGrammar:
         if closing is None:
             self._next_look = 0
             return
-        if (distance := budget - len(closing) - CLOSING_SLACK) > 0:
+        if (distance := budget - len(closing.tokens) - CLOSING_SLACK) > 0:
             self._next_look = budget - max(1, distance // 2)
         else:
-            self._forced = closing
-            self.closed_by_budget = True
+            self._forced = closing.tokens
+            self.closed_by_budget = closing.chosen
 
     def _forced_masks(self, drafts: Sequence[int], row_bytes: int) -> bytes:
         """Rows that allow only the forced token at each position the drafts keep on the

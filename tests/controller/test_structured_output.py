@@ -158,6 +158,7 @@ def test_the_closing_completes_the_grammar_from_wherever_a_sequence_stands(
         return
     closing = gate._closer.closing(grammar._matcher)
     assert closing is not None
+    closing = closing.tokens
     before = grammar.masks([])
     assert before == grammar.masks([])  # the walk left the matcher where it was
     for t in closing:
@@ -179,7 +180,7 @@ def test_near_the_end_of_its_budget_a_sequence_is_forced_through_its_closing(
     (seq,) = _held(gate, Constraint(json=_OPEN_SCHEMA))
     grammar = seq.grammar
     _random_walk(grammar, vocab, lambda n: n // 2, 12)  # into the title string, say
-    closing = gate._closer.closing(grammar._matcher)
+    closing = gate._closer.closing(grammar._matcher).tokens
     width = len(grammar.masks([]))
     # With room to spare the sequence samples freely; the closing starts once the tokens left
     # are within the slack of its length.
@@ -198,3 +199,15 @@ def test_near_the_end_of_its_budget_a_sequence_is_forced_through_its_closing(
         assert np.flatnonzero(_bits(grammar.masks([], budget=1), vocab)).tolist() == [t]
         assert grammar.accept(t)
     assert grammar.stopped and grammar.closed_by_budget
+
+
+def test_a_closing_the_grammar_forces_byte_for_byte_is_no_cut(gate, byte_tokenizer) -> None:
+    # Only one text fits: forcing it early takes nothing from the model, so the choice
+    # ends as a stop, not as a length cap.
+    (seq,) = _held(gate, Constraint(regex=r"It is 12:00\."))
+    closing = gate._closer.closing(seq.grammar._matcher)
+    assert closing is not None and not closing.chosen
+    seq.grammar.masks([], budget=1)
+    assert not seq.grammar.closed_by_budget
+    (free,) = _held(gate, Constraint(regex=r"It is [0-9]+\."))
+    assert gate._closer.closing(free.grammar._matcher).chosen
