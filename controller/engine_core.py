@@ -95,8 +95,7 @@ class EngineCore:
         spec = config.speculative
         self.drafter = None if spec.method is None else Drafter(
             make_proposer(spec), spec.num_speculative_tokens, spec.disable_by_batch_size,
-            self.max_model_len,
-        )
+            self.max_model_len)
 
     def _new_scheduler(self, step_hooks: list[StepHook]) -> Scheduler:
         sched = self.config.scheduler
@@ -146,7 +145,8 @@ class EngineCore:
             return
         if self._grammars is None:
             assert tok is not None  # admission refused a constraint without a tokenizer
-            self._grammars = GrammarGate(tok, self.vocab_size, self._eos_token_ids)
+            self._grammars = GrammarGate(tok, self.vocab_size, self._eos_token_ids,
+                                         self.max_model_len)
         self._grammars.hold(head, seqs, grammar)
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
@@ -211,8 +211,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if self._grammars is not None:
             tm = time.perf_counter()
-            sched_out.token_masks = self._grammars.step_masks(self.scheduler.requests, sched_out,
-                                                              self.max_model_len)
+            sched_out.token_masks = self._grammars.step_masks(self.scheduler.requests, sched_out)
             if sched_out.token_masks:  # what a constraint costs each step, on the step's path
                 self._time_grammar_mask += time.perf_counter() - tm
                 self._num_grammar_mask_steps += 1

@@ -62,9 +62,10 @@ class GrammarGate:
     large vocabulary) is made there on first use."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Collection[int],
-                 max_cached: int = 256) -> None:
+                 max_model_len: int, max_cached: int = 256) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
+        self._max_model_len = max_model_len
         self._eos = sorted(eos_token_ids)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._lock = threading.Lock()
@@ -137,9 +138,8 @@ class GrammarGate:
         return ready
 
     # --------------------------------------------------------------------- step
-    @staticmethod
-    def step_masks(requests: Mapping[str, Request], so: SchedulerOutput,
-                   max_model_len: int) -> dict[str, bytes]:
+    def step_masks(self, requests: Mapping[str, Request],
+                   so: SchedulerOutput) -> dict[str, bytes]:
         """The masks of the constrained requests that sample this step: those whose
         scheduled tokens reach the end of their known tokens and drafts. Each knows the
         tokens its sequence has left (``max_tokens``, the model's length), to close its
@@ -151,7 +151,7 @@ class GrammarGate:
                 continue
             drafts = so.draft_token_ids.get(rid, [])
             if req.num_computed_tokens == req.num_tokens + len(drafts):
-                budget = max_model_len - req.num_tokens
+                budget = self._max_model_len - req.num_tokens
                 if (max_tokens := req.sampling_params.max_tokens) is not None:
                     budget = min(budget, max_tokens - req.num_output_tokens)
                 masks[rid] = req.grammar.masks(drafts, budget)

@@ -48,8 +48,8 @@ def test_a_bad_constraint_names_its_kind(c, kind) -> None:
 
 @pytest.fixture(scope="module")
 def gate(byte_tokenizer):
-    g = GrammarGate(byte_tokenizer, byte_tokenizer.vocab_size, [byte_tokenizer.hf.eos_token_id
-                                                                or 0])
+    g = GrammarGate(byte_tokenizer, byte_tokenizer.vocab_size,
+                    [byte_tokenizer.hf.eos_token_id or 0], max_model_len=512)
     yield g
     g.shutdown()
 
