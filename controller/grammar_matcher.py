@@ -4,8 +4,8 @@ import each other.
 
 A sequence that runs out of tokens inside its grammar (a string the model never ends, digits
 that run on) would end at ``max_tokens`` with a document the client cannot parse. So once the
-tokens left come within ``CLOSING_SLACK`` of what it takes to complete the grammar from where
-the sequence stands, the matcher stops offering choices and forces a completion: the open
+tokens left come within a slack (``CLOSING_SLACK``) of what it takes to complete the grammar
+from where the sequence stands, the matcher stops offering choices and forces a completion: the open
 string is closed, required properties get small values, open brackets close. The completion
 comes from a greedy walk over the grammar (``GrammarCloser``), short but not always the
 shortest. The client gets a document that follows its constraint, with ``finish_reason``
@@ -25,7 +25,8 @@ __all__ = ["CLOSING_SLACK", "Closing", "GrammarCloser", "SequenceGrammar"]
 CLOSING_SLACK = 16
 """Tokens kept in hand when the closing starts: one sampled token can open what takes several
 more to close (a quote, a nested object with required properties), so the closing is forced
-while it still fits after that."""
+while it still fits after that. A sequence with a small budget keeps an eighth of it (at least
+2): at ``max_tokens`` 16 a slack of 16 would leave the model nothing to write."""
 
 # The bytes a closing walk tries, in order: closers first, so that an open string, object, array
 # or group ends as soon as the grammar lets it; then separators, the smallest values, the rest
@@ -119,7 +120,7 @@ class GrammarCloser:
 class SequenceGrammar:
     """One sequence's matcher: it has consumed exactly the sequence's output tokens."""
 
-    __slots__ = ("_closer", "_forced", "_matcher", "_next_look", "closed_by_budget")
+    __slots__ = ("_closer", "_forced", "_matcher", "_next_look", "_slack", "closed_by_budget")
 
     def __init__(self, matcher: Any, closer: GrammarCloser | None = None) -> None:
         self._matcher = matcher
@@ -128,6 +129,8 @@ class SequenceGrammar:
         """The completion being forced, from the next token on."""
         self._next_look: int | None = None
         """The budget at or under which to look for the closing again (None: at once)."""
+        self._slack: int | None = None
+        """``CLOSING_SLACK``, or less for a small budget; set by the first look."""
         self.closed_by_budget = False
         """The budget ran short and the grammar was completed by force, with choices the
         model did not make (not when the grammar forced every byte of the completion)."""
@@ -170,7 +173,8 @@ class SequenceGrammar:
         return b"".join(rows)
 
     def _start_closing(self, budget: int) -> None:
-        """Force the closing once it takes all but ``CLOSING_SLACK`` of the tokens left.
+        """Force the closing once it takes all but the slack (``CLOSING_SLACK``) of the tokens
+        left.
 
         Each look walks the grammar, so a sequence looks when it starts and then again when
         half its distance to that point is spent: the closing would have to grow by more than
@@ -180,11 +184,13 @@ class SequenceGrammar:
         if self._closer is None or self._forced or self.stopped or (
                 self._next_look is not None and budget > self._next_look):
             return
+        if self._slack is None:
+            self._slack = min(CLOSING_SLACK, max(2, budget // 8))
         closing = self._closer.closing(self._matcher)
         if closing is None:
             self._next_look = 0
             return
-        if (distance := budget - len(closing.tokens) - CLOSING_SLACK) > 0:
+        if (distance := budget - len(closing.tokens) - self._slack) > 0:
             self._next_look = budget - max(1, distance // 2)
         else:
             self._forced = closing.tokens

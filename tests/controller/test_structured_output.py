@@ -183,7 +183,8 @@ def test_near_the_end_of_its_budget_a_sequence_is_forced_through_its_closing(
     closing = gate._closer.closing(grammar._matcher).tokens
     width = len(grammar.masks([]))
     # With room to spare the sequence samples freely; the closing starts once the tokens left
-    # are within the slack of its length.
+    # are within the slack of its length (the full slack: the first look saw a large budget).
+    assert _bits(grammar.masks([], budget=1000), vocab).sum() > 1
     roomy = grammar.masks([], budget=len(closing) + CLOSING_SLACK + 1)
     assert _bits(roomy, vocab).sum() > 1 and not grammar.closed_by_budget
     row = grammar.masks([], budget=len(closing) + CLOSING_SLACK)
@@ -211,3 +212,18 @@ def test_a_closing_the_grammar_forces_byte_for_byte_is_no_cut(gate, byte_tokeniz
     assert not seq.grammar.closed_by_budget
     (free,) = _held(gate, Constraint(regex=r"It is [0-9]+\."))
     assert gate._closer.closing(free.grammar._matcher).chosen
+
+
+def test_a_small_budget_keeps_a_smaller_slack(gate, byte_tokenizer) -> None:
+    vocab = byte_tokenizer.vocab_size
+    (seq,) = _held(gate, Constraint(json_object=True, disable_any_whitespace=True))
+    grammar = seq.grammar
+    (brace,) = np.flatnonzero(_bits(grammar.masks([], budget=16), vocab))  # "{" is forced
+    assert grammar.accept(int(brace)) and not grammar.closed_by_budget
+    closing = gate._closer.closing(grammar._matcher).tokens  # "}"
+    # max_tokens 16 keeps a slack of 2: the closing is forced with 2 tokens to spare, not 16,
+    # so the model has the rest to write in.
+    for budget in range(15, len(closing) + 2, -1):
+        assert _bits(grammar.masks([], budget=budget), vocab).sum() > 1, budget
+    row = grammar.masks([], budget=len(closing) + 2)
+    assert np.flatnonzero(_bits(row, vocab)).tolist() == closing[:1]
