@@ -30,11 +30,11 @@ while it still fits after that. A sequence with a small budget keeps an eighth o
 
 # The bytes a closing walk tries, in order: closers first, so that an open string, object, array
 # or group ends as soon as the grammar lets it; then separators, the smallest values, the rest
-# of printable ASCII, and last the continuation bytes that end a character the sampler left
-# half written.
+# of printable ASCII and a line break, and last the continuation bytes that end a character the
+# sampler left half written.
 _CLOSERS = b'"}])>'
 _CLOSING_ORDER = (_CLOSERS + b",:.0123456789-_@#+ abcdefghijklmnopqrstuvwxyz"
-                  + b"ABCDEFGHIJKLMNOPQRSTUVWXYZ{[!$%&'(*/;<=?\\^`|~" + bytes(range(0x80, 0xC0)))
+                  + b"ABCDEFGHIJKLMNOPQRSTUVWXYZ{[!$%&'(*/;<=?\\^`|~\n" + bytes(range(0x80, 0xC0)))
 _UNCOUNTED = _CLOSERS + b":"
 _SPACE = ord(" ")
 _RECENT = 32  # bytes: how far back the walk counts what it wrote
