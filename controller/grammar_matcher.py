@@ -107,10 +107,11 @@ class GrammarCloser:
         moves on to its dash or semicolon instead of going round. A punctuation byte repeats
         once before it counts (``\\d+\\.\\d+\\.\\d+`` takes its second dot); closers and colons
         never count, and a space always goes last."""
-        moved_back = {_SPACE: _RECENT}
+        moved_back = {}
         for b, n in Counter(text[-_RECENT:]).items():
             if b not in _UNCOUNTED and (n := n if bytes([b]).isalnum() else n - 1) > 0:
                 moved_back[b] = n
+        moved_back[_SPACE] = _RECENT  # after the count, which would lower it
         order = chain((bt for bt in self._order if bt[0] not in moved_back),
                       sorted((bt for bt in self._order if bt[0] in moved_back),
                              key=lambda bt: moved_back[bt[0]]))

@@ -227,3 +227,11 @@ def test_a_small_budget_keeps_a_smaller_slack(gate, byte_tokenizer) -> None:
         assert _bits(grammar.masks([], budget=budget), vocab).sum() > 1, budget
     row = grammar.masks([], budget=len(closing) + 2)
     assert np.flatnonzero(_bits(row, vocab)).tolist() == closing[:1]
+
+
+def test_the_walk_writes_a_space_last_whatever_it_wrote_before(gate) -> None:
+    # Spaces the walk wrote (a forced key separator, say) must not make a space look like a
+    # fresher choice than a letter it wrote more often.
+    (seq,) = _held(gate, Constraint(regex=r"[ a]{6}b"))
+    step = gate._closer._next_byte(seq.grammar._matcher, bytearray(b"  aaa"))
+    assert step is not None and step[0] == ord("a")
