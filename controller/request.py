@@ -252,10 +252,16 @@ class Request:
                 return
         if self.grammar is not None and self.grammar.stopped and not self.is_finished:
             self.finish(self._stop_status())  # the constraint is complete
-        elif (
-            params.max_tokens is not None and self.num_output_tokens >= params.max_tokens
-        ) or self.num_tokens >= max_model_len:
+        elif self.tokens_left(max_model_len) <= 0:
             self.finish(RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def tokens_left(self, max_model_len: int) -> int:
+        """How many more tokens the sequence may take before ``max_tokens`` or the model's
+        length caps it."""
+        left = max_model_len - self.num_tokens
+        if (max_tokens := self.sampling_params.max_tokens) is not None:
+            left = min(left, max_tokens - self.num_output_tokens)
+        return left
 
     def _stop_status(self) -> RequestStatus:
         """A stop, or a length cap where the budget forced the grammar's completion: the

@@ -151,10 +151,7 @@ class GrammarGate:
                 continue
             drafts = so.draft_token_ids.get(rid, [])
             if req.num_computed_tokens == req.num_tokens + len(drafts):
-                budget = self._max_model_len - req.num_tokens
-                if (max_tokens := req.sampling_params.max_tokens) is not None:
-                    budget = min(budget, max_tokens - req.num_output_tokens)
-                masks[rid] = req.grammar.masks(drafts, budget)
+                masks[rid] = req.grammar.masks(drafts, req.tokens_left(self._max_model_len))
         return masks
 
     def shutdown(self) -> None:
