@@ -51,14 +51,17 @@ class Closing(NamedTuple):
 
 class GrammarCloser:
     """Finds a short completion of a grammar from a matcher's state, as tokens. Built once per
-    tokenizer, from its ``tokenize`` (bytes to token ids) and EOS token."""
+    tokenizer, from its ``tokenize`` (bytes to token ids), EOS token and vocabulary size."""
 
-    def __init__(self, tokenize: Callable[[bytes], list[int]], eos: int | None) -> None:
+    def __init__(self, tokenize: Callable[[bytes], list[int]], eos: int | None,
+                 vocab_size: int) -> None:
         # The walk writes a byte a token: those of the closing order that are one.
         self._order = [(b, ids[0]) for b in _CLOSING_ORDER
                        if len(ids := tokenize(bytes([b]))) == 1]
         self._tokenize = tokenize
         self._eos = eos
+        self.row_bytes = 4 * ((vocab_size + 31) // 32)
+        """A mask row's length: one bit a token, in int32 words (as the matcher's)."""
 
     def closing(self, m: Any) -> Closing | None:
         """A completion of the grammar from ``m``'s state (the matcher is left as it was),
@@ -160,7 +163,7 @@ class SequenceGrammar:
         if budget is not None:
             self._start_closing(budget)
         if self._forced:
-            return self._forced_masks(drafts, len(m.compute_bitmask()))
+            return self._forced_masks(drafts)
         rows = [m.compute_bitmask()]
         # validate_tokens first: consuming a refused token would leave the matcher in its
         # error state, which rollback does not undo.
@@ -197,9 +200,11 @@ class SequenceGrammar:
             self._forced = closing.tokens
             self.closed_by_budget = closing.chosen
 
-    def _forced_masks(self, drafts: Sequence[int], row_bytes: int) -> bytes:
+    def _forced_masks(self, drafts: Sequence[int]) -> bytes:
         """Rows that allow only the forced token at each position the drafts keep on the
         forced path; a position after a draft off it allows everything (unused)."""
+        assert self._closer is not None  # only a closer's walk forces anything
+        row_bytes = self._closer.row_bytes
         rows = []
         for i in range(len(drafts) + 1):
             on_path = i < len(self._forced) and list(drafts[:i]) == self._forced[:i]

@@ -83,7 +83,8 @@ class GrammarGate:
         if self._ll_tokenizer is None:
             ll = llguidance.hf.from_tokenizer(
                 self._tokenizer.hf, n_vocab=self._vocab_size, eos_token=self._eos or None)
-            self._closer = GrammarCloser(ll.tokenize_bytes, self._eos[0] if self._eos else None)
+            self._closer = GrammarCloser(ll.tokenize_bytes, self._eos[0] if self._eos else None,
+                                         ll.vocab_size)
             self._ll_tokenizer = ll
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar)
         if matcher.is_error():
