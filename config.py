@@ -216,11 +216,18 @@ class SchedulerConfig:
     (one Ray worker rank): the controller's share of a step leaves the critical path. Steps
     run one at a time under speculative decoding or while a structured-output request runs,
     and the step after one that adds requests waits for it."""
+    num_scheduler_steps: int = 8
+    """Decode passes the workers run per step message while a small batch (at most
+    ``MULTI_STEP_MAX_SEQS`` requests, ``controller/decode_steps.py``) only decodes and nothing
+    waits: the controller's round trip is paid once per this many tokens. Tokens then reach a
+    stream this many at a time, and a request that arrives meanwhile waits for the message.
+    1: one pass per message."""
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_pending_requests", self.max_pending_requests, 1)
+        _check_int("num_scheduler_steps", self.num_scheduler_steps, 1)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
 

@@ -143,6 +143,12 @@ class SchedulerOutput:
     """Slots the scheduler reserved past each request's chunk (where the blocks allowed it) for
     drafts a draft model proposes on the workers after this step: they propose up to this many
     per request that samples (``ModelRunnerOutput.draft_token_ids``). 0: propose none."""
+    num_decode_steps: int = 1
+    """Decode passes in this step (> 1 only when every scheduled request decodes one token and
+    none has drafts or a grammar mask): each sampling row feeds its sample back and samples
+    again, up to this many tokens, as far as the lookahead slots its blocks hold, its
+    ``max_tokens``, ``max_model_len`` and its first stop token allow
+    (``workers/multi_step.py``)."""
 
 
 @dataclass(slots=True)
@@ -154,7 +160,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     """Per request, the tokens it accepted this step, in order: one without drafts; with
     ``k`` drafts, the drafts that matched the model's own samples and then one more sample
-    (1 to ``k + 1`` tokens)."""
+    (1 to ``k + 1`` tokens); with ``num_decode_steps`` n, 1 to n samples."""
     logprobs: list[list[tuple[list[int], list[float]]] | None] | None = None
     """Per request (None: not asked for), per accepted token: token ids ``[sampled, top_1, ...,
     top_N]`` and their log-probabilities."""

@@ -19,6 +19,7 @@ __all__ = [
 BATCHED_TOKENS = "pagedserve_batched_tokens_per_step"
 PREEMPTIONS = "pagedserve_num_preemptions_total"
 STEPS = "pagedserve_engine_steps_total"
+MULTI_PASS_STEPS = "pagedserve_engine_multi_pass_steps_total"
 
 
 @dataclass
@@ -88,6 +89,8 @@ def summarise(rate: float, results: list[RequestResult], t0: float, t_end: float
             (len(itl) + len(ok)) / out_tokens if out_tokens else math.nan),
         "preemptions": after.value(PREEMPTIONS) - before.value(PREEMPTIONS),
         "engine_steps": after.value(STEPS) - before.value(STEPS),
+        # Steps of several decode passes: their samples after the first were not scheduled.
+        "multi_pass_steps": after.value(MULTI_PASS_STEPS) - before.value(MULTI_PASS_STEPS),
         # While requests were still arriving (under load), and over the whole run (drain too).
         "batched_tokens": hist_summary(load),
         "batched_tokens_whole_run": hist_summary(whole),

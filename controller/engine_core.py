@@ -108,6 +108,7 @@ class EngineCore:
             enable_chunked_prefill=sched.enable_chunked_prefill,
             preemption_mode=sched.preemption_mode,
             policy=sched.scheduling_policy,
+            num_scheduler_steps=1 if self.config.speculative.method else sched.num_scheduler_steps,
         )
         scheduler.step_hooks = step_hooks
         return scheduler
@@ -232,12 +233,13 @@ class EngineCore:
 
         Not when a step depends on what the one in flight samples beyond its token:
         speculative drafts and grammar masks follow from the accepted tokens. Not behind a step
-        that adds requests either: a worker may refuse one (``fail_rejected``), and the next
-        step would name it as running."""
+        that adds requests either (a worker may refuse one, ``fail_rejected``, and the next
+        step would name it as running), nor behind several decode passes."""
         if not self._overlap or len(self._in_flight) != 1 or self.drafter is not None:
             return False
-        running = self.scheduler.running
-        return not self._in_flight[0][0].new_reqs and all(r.grammar is None for r in running)
+        last = self._in_flight[0][0]
+        return not last.new_reqs and last.num_decode_steps == 1 and all(
+            r.grammar is None for r in self.scheduler.running)
 
     def _finish_oldest(self) -> list[RequestDelta]:
         """Take in the oldest step's output: append its tokens, apply the stop conditions and
@@ -252,17 +254,14 @@ class EngineCore:
         if runner_out.request_errors:
             deltas += fail_rejected(self.scheduler, self._groups, sched_out,
                                     runner_out.request_errors)
-        seen: set[str] = set()
         progressed = self.scheduler.update_from_output(sched_out, runner_out)
         if self.drafter is not None:
             self.drafter.record(sched_out, runner_out, self.scheduler.requests)
             self.drafter.release_finished(self.scheduler.requests)
-        for req in progressed:
-            gid = req.group_id
+        for gid in dict.fromkeys(r.group_id for r in progressed):  # each group once, in order
             group = self._groups.get(gid)
-            if group is None or gid in seen:
+            if group is None:
                 continue
-            seen.add(gid)
             delta = group.delta()
             if delta is not None:
                 deltas.append(delta)

@@ -30,6 +30,8 @@ class SchedulerStats:
     batched_tokens_counts: tuple[int, ...] = ()
     """Steps that scheduled tokens, per ``BATCHED_TOKENS_BUCKETS`` bucket (+ the overflow)."""
     batched_tokens_sum: int = 0
+    num_multi_pass_steps: int = 0
+    """Steps that asked the workers for several decode passes (``decode_steps``)."""
 
 
 def _shallow(obj: SchedulerStats | HostTierStats) -> dict[str, int | float]:

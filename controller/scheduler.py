@@ -3,20 +3,15 @@
 There are no prefill or decode phases. Every request catches ``num_computed_tokens`` up to its
 ``compute_limit`` (its tokens, a placeholder per sample still in flight under async scheduling,
 and drafts to verify): a long prompt takes several steps (chunked prefill), a generating request
-one token per step (or one per draft). When the KV cache is full the newest running request is
+one token per step (one per draft, or several passes of one in a small batch,
+``decode_steps``). When the KV cache is full the newest running request is
 preempted and nothing new is admitted that step: by recompute (its blocks freed, it starts over,
 mostly from the prefix cache) or, with ``preemption_mode="swap"``, by swapping its blocks to the
 host tier and back (recompute when the tier is full).
 
 The order is a policy (``request_order``): ``fcfs`` or ``priority``.
 
-Parallel sampling (``n > 1``) forks: a *fork parent* computes the prompt minus its last token,
-then ``n`` children share all its blocks (kv's copy-on-write ``fork``). Each child computes the
-last prompt token itself, so the first write into the shared partial block copies it, and then
-samples on its own. A child is new to the workers in that step, so the copy-on-write replacement
-reaches them inside the child's full ``NewRequestData`` block list. (Should a request the workers
-already hold ever get a block replaced, it is dropped and re-sent in full in the same step.)
-Under the ``reserve`` policy the parent is skipped and the children run as independent requests.
+Parallel sampling (``n > 1``) forks a request once its prompt is computed (``forks``).
 """
 
 from __future__ import annotations
@@ -27,7 +22,9 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from pagedserve.config import SCHEDULING_POLICIES
+from pagedserve.controller.decode_steps import decode_steps
 from pagedserve.controller.engine_stats import BATCHED_TOKENS_BUCKETS, SchedulerStats
+from pagedserve.controller.forks import dissolve_parent, fork
 from pagedserve.controller.request import Request, RequestStatus
 from pagedserve.controller.request_order import enqueue, start_running
 from pagedserve.controller.step_output import build_output
@@ -73,6 +70,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         num_lookahead_tokens: int = 0,
         policy: str = "fcfs",
+        num_scheduler_steps: int = 1,
     ) -> None:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {preemption_mode!r}")
@@ -88,6 +86,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.num_lookahead_tokens = num_lookahead_tokens
         """Slots past each chunk for a draft model's drafts (0: none); the engine sets it."""
+        self.num_scheduler_steps = num_scheduler_steps  # see ``decode_steps``
         self.requests: dict[str, Request] = {}
         """Every live request, unforked children included."""
         self.waiting: deque[Request] = deque()
@@ -97,6 +96,7 @@ class Scheduler:
         self._step_id = 0
         self._batched_counts = [0] * (len(BATCHED_TOKENS_BUCKETS) + 1)
         self._batched_sum = 0
+        self._multi_pass_steps = 0
         # Requests the workers hold and must drop at the next step (finished, aborted, forked
         # parents, preempted).
         self._finished_ids: list[str] = []
@@ -116,7 +116,8 @@ class Scheduler:
             # A one-token prompt leaves the parent nothing to compute; under the ``reserve``
             # baseline every sequence holds its own max_model_len worth of blocks anyway, so
             # forking would only share empty reservations. Start the children directly.
-            self._dissolve_parent(request, at_front=False)
+            dissolve_parent(self.requests, self.waiting, self.policy, request,
+                            at_front=False)
         else:
             enqueue(self.waiting, request, self.policy, front=False)
 
@@ -157,6 +158,7 @@ class Scheduler:
             num_swapped=len(self.kv.host.swapped) if self.kv.host is not None else 0,
             batched_tokens_counts=tuple(self._batched_counts),
             batched_tokens_sum=self._batched_sum,
+            num_multi_pass_steps=self._multi_pass_steps,
         )
 
     # ----------------------------------------------------------------- schedule
@@ -166,6 +168,8 @@ class Scheduler:
         new_blocks: dict[str, KVCacheBlocks] = {}
         scheduled: list[Request] = []
         preempted = False
+        steps = decode_steps(self.running, len(self.waiting), self.num_scheduler_steps)
+        lookahead = steps - 1 if steps > 1 else self.num_lookahead_tokens
 
         # 1. Running requests, in the policy's order. A victim is always popped from the end, so
         # it is never one that was already scheduled this step.
@@ -179,7 +183,7 @@ class Scheduler:
             while True:
                 # With nobody left to preempt but itself, it tries a smaller chunk first.
                 alone = self.running[-1] is req and self.enable_chunked_prefill
-                n, blocks = _fit_chunk(self._allocate_slots, req, n, alone)
+                n, blocks = _fit_chunk(self._allocate_slots, req, n, alone, 0, None, lookahead)
                 if blocks is not None:
                     break
                 victim = self.running.pop()
@@ -204,6 +208,7 @@ class Scheduler:
             self.kv, self._step_id, scheduled, num_scheduled, new_blocks, self._finished_ids
         )
         output.num_lookahead_tokens = self.num_lookahead_tokens
+        output.num_decode_steps = 1 if preempted else steps
         if output.total_num_scheduled_tokens:
             self._finished_ids = []
             output.block_table_trims, self._trims = self._trims, {}
@@ -212,6 +217,7 @@ class Scheduler:
         if total := output.total_num_scheduled_tokens:
             self._batched_counts[bisect_left(BATCHED_TOKENS_BUCKETS, total)] += 1
             self._batched_sum += total
+            self._multi_pass_steps += output.num_decode_steps > 1
         self._step_id += 1
         for hook in self.step_hooks:
             hook(self, output)
@@ -243,7 +249,8 @@ class Scheduler:
             if req.children and hit >= req.compute_limit:
                 # The cache already holds the parent's whole share: the children hit it alone.
                 self.waiting.popleft()
-                self._dissolve_parent(req, at_front=True)
+                dissolve_parent(self.requests, self.waiting, self.policy, req,
+                                at_front=True)
                 continue
             n = req.compute_limit - hit
             if not self.enable_chunked_prefill and n > budget:
@@ -268,11 +275,14 @@ class Scheduler:
             seats += need_seats
 
     def _allocate_slots(
-        self, req: Request, n: int, hit: int = 0, hit_blocks: KVCacheBlocks | None = None
+        self, req: Request, n: int, hit: int = 0, hit_blocks: KVCacheBlocks | None = None,
+        lookahead: int | None = None,
     ) -> KVCacheBlocks | None:
-        """``kv.allocate_slots`` with lookahead slots, or without them rather than preempt."""
-        blocks = self.kv.allocate_slots(req, n, hit, hit_blocks, self.num_lookahead_tokens)
-        if blocks is None and self.num_lookahead_tokens:
+        """``kv.allocate_slots`` with lookahead slots (the drafts', unless given), or without
+        them rather than preempt."""
+        lookahead = self.num_lookahead_tokens if lookahead is None else lookahead
+        blocks = self.kv.allocate_slots(req, n, hit, hit_blocks, lookahead)
+        if blocks is None and lookahead:
             blocks = self.kv.allocate_slots(req, n, hit, hit_blocks, 0)
         return blocks
 
@@ -314,14 +324,6 @@ class Scheduler:
             req.num_sent_tokens = 0
         enqueue(self.waiting, req, self.policy, front=True)
         self.num_preemptions += 1
-
-    def _dissolve_parent(self, parent: Request, *, at_front: bool) -> None:
-        """Replace an unadmitted fork parent by its children in the waiting queue."""
-        self.requests.pop(parent.request_id, None)
-        parent.status = RequestStatus.FINISHED_STOPPED
-        for child in reversed(parent.children) if at_front else parent.children:
-            enqueue(self.waiting, child, self.policy, front=at_front)
-        parent.children = []
 
     # ------------------------------------------------------------------ update
     def update_from_output(
@@ -377,22 +379,7 @@ class Scheduler:
             req.draft_token_ids = []  # verified, or not reached: a drafter proposes anew
             ready = req.num_computed_tokens >= req.compute_limit
             if req.children and req.status == RequestStatus.RUNNING and ready:
-                self._fork(req)
+                fork(self.kv, self.requests, self.running, req)
+                self._finished_ids.append(rid)
+                req.num_sent_tokens = 0
         return progressed
-
-    def _fork(self, parent: Request) -> None:
-        """Children take over the parent's blocks and its seat in the running list."""
-        children = parent.children
-        for child in children:
-            self.kv.fork(parent, child)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.status = RequestStatus.RUNNING
-        idx = self.running.index(parent)
-        self.running[idx : idx + 1] = children
-        self.kv.free(parent)
-        self.requests.pop(parent.request_id, None)
-        self._finished_ids.append(parent.request_id)
-        parent.num_sent_tokens = 0
-        parent.status = RequestStatus.FINISHED_STOPPED
-        parent.children = []

@@ -81,6 +81,10 @@ class BlockTable:
 
     # Per-step ------------------------------------------------------------------------------
 
+    def token_capacity(self, rows: np.ndarray) -> np.ndarray:
+        """[N] positions the rows' blocks hold: a controller block covers ``B * W`` of them."""
+        return self.num_blocks[rows].astype(np.int64) * self.block_size * self.cp.size
+
     def slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Physical slot of each token on this rank, or -1 when another CP rank stores it.
 

@@ -6,13 +6,19 @@ should. The block refuses to nest so a stale context can never leak into the nex
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+from torch import nn
 
 from pagedserve.kernels import NO_CP, AttentionPlan, CPLayout
+
+if TYPE_CHECKING:
+    from pagedserve.workers.block_table import BlockTable
 
 
 @dataclass(slots=True)
@@ -53,3 +59,42 @@ def get_forward_context() -> ForwardContext:
     if _CONTEXT is None:
         raise RuntimeError("no forward context: run the model inside `with forward_context(...)`")
     return _CONTEXT
+
+
+def forward_rows(
+    model: nn.Module,
+    tables: Sequence[BlockTable],
+    block_tables: Sequence[torch.Tensor],
+    req_idx: np.ndarray,
+    positions: np.ndarray,
+    ids: np.ndarray | torch.Tensor,
+    seq_lens: np.ndarray,
+    counts: np.ndarray,
+    sel: np.ndarray | None = None,
+    cp: CPLayout = NO_CP,
+) -> torch.Tensor:
+    """One forward pass over some rows' tokens after a step's main pass: tokens ``ids`` of
+    batch rows ``req_idx`` at ``positions`` ([T] each), ``counts`` tokens per row and
+    ``seq_lens`` ([N]); ``sel`` picks the rows of the step's device ``block_tables`` (one per
+    group, [R, width]; None: all R). Returns hidden states [T, hidden]."""
+    dev = block_tables[0].device
+    cu = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    cu_dev, seq_dev = _to(cu, dev, torch.int32), _to(seq_lens, dev, torch.int32)
+    pick = None if sel is None else _to(sel, dev)
+    groups = [
+        AttentionMetadata(
+            slot_mapping=_to(table.slot_mapping(req_idx, positions), dev),
+            block_table=full if pick is None else full.index_select(0, pick),
+            seq_lens=seq_dev,
+            cu_seqlens_q=cu_dev,
+        )
+        for table, full in zip(tables, block_tables, strict=True)
+    ]
+    ids_dev = ids if isinstance(ids, torch.Tensor) else _to(ids, dev)
+    with forward_context(ForwardContext(groups, cp)):
+        return model(ids_dev, _to(positions, dev))  # type: ignore[no-any-return]
+
+
+def _to(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype, non_blocking=True)

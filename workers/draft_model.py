@@ -31,7 +31,7 @@ from torch import nn
 
 from pagedserve.kernels import NO_CP, CPLayout
 from pagedserve.workers.block_table import MultiGroupBlockTable
-from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
+from pagedserve.workers.context import forward_rows
 from pagedserve.workers.input_batch import InputBatch
 
 __all__ = ["DraftModel"]
@@ -80,7 +80,7 @@ class DraftModel:
         # guess j (1-based) is the token at position new_len - 1 + j, made by the pass that
         # writes the KV of position new_len - 2 + j.
         room = np.minimum(batch.max_model_len - new_len,
-                          self.table.num_blocks[rows] * self.table.block_size - new_len + 1)
+                          self.table.token_capacity(rows) - new_len + 1)
         room = np.minimum(room, k)
         for i in np.flatnonzero(sample_mask):
             p = batch.params[rows[i]]
@@ -142,34 +142,12 @@ class DraftModel:
         block_tables: list[torch.Tensor],
         sel: np.ndarray | None,
     ) -> torch.Tensor:
-        """One draft forward pass: tokens ``ids`` of batch rows ``req_idx`` at ``positions``
-        ([T] each), ``counts`` tokens per row and ``seq_lens`` ([N]); ``sel`` picks the rows
-        of the target's ``block_tables`` (None: all). Returns hidden states [T, hidden]."""
-        dev = self.device
-        cu = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        cu_dev = _to(cu, dev, torch.int32)
-        seq_dev = _to(seq_lens, dev, torch.int32)
-        pick = None if sel is None else _to(sel, dev)
-        groups = [
-            AttentionMetadata(
-                slot_mapping=_to(table.slot_mapping(req_idx, positions), dev),
-                block_table=full if pick is None else full.index_select(0, pick),
-                seq_lens=seq_dev,
-                cu_seqlens_q=cu_dev,
-            )
-            for table, full in zip(self.tables.tables, block_tables, strict=True)
-        ]
-        ids_dev = ids if isinstance(ids, torch.Tensor) else _to(ids, dev)
-        with forward_context(ForwardContext(groups, self.cp)):
-            return self.model(ids_dev, _to(positions, dev))  # type: ignore[no-any-return]
+        return forward_rows(self.model, self.tables.tables, block_tables, req_idx, positions,
+                            ids, seq_lens, counts, sel, self.cp)
 
     def _greedy(self, hidden: torch.Tensor, at: np.ndarray | None) -> torch.Tensor:
         """Argmax of the draft's logits at rows ``at`` of ``hidden`` (None: every row) -> [N]."""
         if at is not None:
-            hidden = hidden.index_select(0, _to(at, self.device))
+            hidden = hidden.index_select(0, torch.from_numpy(at).to(self.device))
         return self.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
 
-
-def _to(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype, non_blocking=True)

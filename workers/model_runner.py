@@ -12,7 +12,8 @@ The runner owns the persistent ``InputBatch`` and block tables. Each step it:
 5. for requests that asked for prompt logprobs, projects the hidden states of the prompt
    positions computed this step too, and reports each next prompt token's log-probability;
 6. with a draft model (``workers/draft_model.py``), runs it over the step's rows and returns
-   its guesses of each sampling row's next tokens, the next step's drafts.
+   its guesses of each sampling row's next tokens, the next step's drafts; with
+   ``num_decode_steps`` (``workers/multi_step.py``), feeds each sample back for more.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pagedserve.workers.context import AttentionMetadata, ForwardContext, forwar
 from pagedserve.workers.draft_model import DraftModel
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
+from pagedserve.workers.multi_step import decode_more
 from pagedserve.workers.sampler import (
     Sampler,
     SamplerOutput,
@@ -170,12 +172,14 @@ class ModelRunner:
         # Sample j of a row sees j more output tokens (its drafts) than the row holds.
         offsets = np.arange(len(flat)) - np.repeat(np.cumsum(n_per_row) - n_per_row, n_per_row)
         expanded = np.repeat(sample_rows, n_per_row)  # [M] batch row of each sample
-        md = self._sampling_metadata(expanded, offsets)
+        md = self.sampling_metadata(expanded, offsets)
         if so.token_masks:
             grammar = self._allowed(so.token_masks, sample_rows, n_per_row, logits.shape[1])
             md.allowed = grammar if md.allowed is None else md.allowed & grammar
         result = self.sampler(logits, md)
         out = self._output(out, sample_rows, n_per_row, drafts, result)
+        if so.num_decode_steps > 1:
+            decode_more(self, out, rows_np, sample_mask, tables, so.num_decode_steps)
         if self.draft is not None:
             out.draft_token_ids = self.draft.step(
                 batch, rows_np, start, counts, sample_mask, out.sampled_token_ids, tables,
@@ -261,7 +265,7 @@ class ModelRunner:
     def _to_device(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
 
-    def _sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray) -> SamplingMetadata:
+    def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray) -> SamplingMetadata:
         """Per sample: its batch row and how many drafts precede its position in that row."""
         b = self.batch
         col = {k: torch.from_numpy(v[rows]).to(self.device) for k, v in b.columns.items()}

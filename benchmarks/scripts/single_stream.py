@@ -13,6 +13,8 @@ within a round. Engines:
   pagedserve-local  the engine in the benchmark's process
   pagedserve-sync   ``LLM()`` on Ray with ``async_scheduling=False`` (each step scheduled after
                     the one before is back)
+  pagedserve-1pass  ``LLM()`` on Ray with ``num_scheduler_steps=1`` (one decode pass per
+                    step message; ``pagedserve-local-1pass`` in-process)
   base, base-local  the same from ``--baseline-venv`` (another checkout installed there)
   vllm              vLLM's CPU build from ``--vllm-venv``, its worker bound to every core
   llama.cpp         ``llama-bench -p PROMPT -n NEW`` from ``--llama-bench`` on ``--llama-model``
@@ -24,7 +26,7 @@ bandwidth probe run in this same script (a sum over a buffer far larger than the
 
 The engine's own cost: ``pagedserve-local`` also reports the worker's share of a decode step
 (``ModelRunner.execute``: input preparation, the forward pass, sampling), from the engine's
-``time_execute_s`` over the decode steps; each pagedserve row's "over the step" column is its
+``time_execute_s`` over the decode passes; each pagedserve row's "over the step" column is its
 time per token minus that, the controller's and the transport's share of the critical path.
 On the Ray path the last column is the CPU time per decoded token of the processes beside the
 worker (``/proc``, over the timed decode runs): the controller actor, this client process and
@@ -104,7 +106,10 @@ def distinct(prompt: list[int]):
 def child_pagedserve(args: argparse.Namespace) -> dict:
     from pagedserve import LLM, SamplingParams
 
-    options = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
+    options: dict = {} if args.async_scheduling is None else {
+        "async_scheduling": args.async_scheduling}
+    if args.num_scheduler_steps is not None:
+        options["num_scheduler_steps"] = args.num_scheduler_steps
     llm = LLM(args.model_dir, backend=args.backend, dtype=args.dtype,
               quantization=args.quantization, **options)
     try:
@@ -114,21 +119,20 @@ def child_pagedserve(args: argparse.Namespace) -> dict:
         llm.generate([next(prompts)], many, use_tqdm=False)  # warm-up
 
         def timed_runs(params: SamplingParams) -> tuple[float, float, int]:
-            """Best wall time of the runs; the executor's time and steps over all of them."""
+            """Best wall time of the runs, and the executor's time over all of them."""
             s0 = llm.stats()
             best = min(_timed(lambda: llm.generate([next(prompts)], params, use_tqdm=False))
                        for _ in range(args.repeats))
-            s1 = llm.stats()
-            return (best, s1["time_execute_s"] - s0["time_execute_s"],
-                    s1["num_steps"] - s0["num_steps"])
+            return best, llm.stats()["time_execute_s"] - s0["time_execute_s"]
 
-        pp, pp_exec, pp_steps = timed_runs(one)
+        pp, pp_exec = timed_runs(one)
         cpu0 = cpu_seconds()
-        tg, tg_exec, tg_steps = timed_runs(many)
+        tg, tg_exec = timed_runs(many)
         cpu = cpu_by_role(cpu0, cpu_seconds())
-        # The decode steps alone: the long runs' steps less the prefill runs' (one each).
-        step_s = (tg_exec - pp_exec) / max(1, tg_steps - pp_steps)
+        # A decode pass each for the long runs' tokens after the first (a step may run
+        # several: num_scheduler_steps); the prefills are the short runs'.
         tokens = args.repeats * args.new
+        step_s = (tg_exec - pp_exec) / max(1, tokens - args.repeats)
         return {"pp_s": pp, "tg_s": tg, "step_s": step_s,
                 "cpu_ms": {role: 1e3 * s / tokens for role, s in cpu.items()}}
     finally:
@@ -150,8 +154,9 @@ def run_engine(engine: str, args: argparse.Namespace, mdir: Path, prompt: list[i
         cmd = [str(py or sys.executable), str(Path(__file__).resolve()), "--child",
                "--model-dir", str(mdir), "--dtype", args.dtype, "--new", str(args.new),
                "--repeats", str(args.repeats), "--quantization", args.quantization,
-               "--backend", "local" if engine.endswith("local") else "ray",
-               *(["--no-async-scheduling"] if engine.endswith("sync") else []),
+               "--backend", "local" if "-local" in engine else "ray",
+               *(["--no-async-scheduling"] if "-sync" in engine else []),
+               *(["--num-scheduler-steps", "1"] if "-1pass" in engine else []),
                "--prompt-ids", json.dumps(prompt)]
     out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=True)
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
@@ -193,6 +198,7 @@ def main() -> None:
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const",
                     const=False, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--num-scheduler-steps", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -242,7 +248,7 @@ def main() -> None:
         tg = median(r["tg"] for r in rs)
         per_round = ", ".join(f"{r['tg']:.1f}" for r in rs)
         over = ratio = cpu = "-"
-        if rs[0].get("cpu_ms") and engine.endswith(("pagedserve", "sync", "base")):
+        if rs[0].get("cpu_ms") and "-local" not in engine:  # the Ray path's
             cpu = ", ".join(f"{median(r['cpu_ms'][role] for r in rs):.2f}"
                             for role in ("controller", "client", "ray services"))
         if engine.startswith("pagedserve") and local_step[0].get("step_s"):

@@ -61,6 +61,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     eng.add_argument("--no-async-scheduling", action="store_true",
                      help="schedule each step after the previous one's output is back, instead "
                           "of while it runs")
+    eng.add_argument("--num-scheduler-steps", type=int, default=8,
+                     help="decode passes per step message while at most 4 requests run, all "
+                          "decoding, and none waits (1: one per message)")
     eng.add_argument("--no-kv-offload", action="store_true",
                      help="with a host tier, do not keep evicted prefix blocks there")
     eng.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
@@ -99,6 +102,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "preemption_mode": args.preemption_mode,
         "scheduling_policy": args.scheduling_policy,
         "async_scheduling": not args.no_async_scheduling,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "kv_offload": not args.no_kv_offload,
         "tensor_parallel_size": args.tp,
         "decode_context_parallel_size": args.dcp,

@@ -30,9 +30,13 @@ def make_engine(
     preemption_mode: str = "recompute",
     kv_offload: bool = True,
     scheduling_policy: str = "fcfs",
+    num_scheduler_steps: int = 1,
     **kwargs: Any,
 ) -> EngineCore:
+    """One decode pass per step unless asked: most tests here follow a request token by
+    token."""
     cfg = from_flat(
+        num_scheduler_steps=num_scheduler_steps,
         scheduling_policy=scheduling_policy,
         num_host_blocks=num_host_blocks,
         preemption_mode=preemption_mode,

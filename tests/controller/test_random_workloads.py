@@ -27,9 +27,10 @@ def expected_tokens(kit, prompt, seed, max_tokens, max_model_len, vocab=1000, st
     return out, "length"
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(("overlap", "steps"), [(False, 1), (True, 1), (False, 4), (True, 4)],
+                         ids=["sync", "async", "sync-4-passes", "async-4-passes"])
 @pytest.mark.parametrize("seed", range(24))
-def test_random_workload(kit, seed, overlap):
+def test_random_workload(kit, seed, overlap, steps):
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
     max_model_len = 48
@@ -42,6 +43,7 @@ def test_random_workload(kit, seed, overlap):
         enable_prefix_caching=rng.random() < 0.8,
         allocation_policy="reserve" if rng.random() < 0.2 else "paged",
         executor=kit.FakeExecutor(max_model_len=max_model_len, overlaps_steps=overlap),
+        num_scheduler_steps=steps,
     )
     shared = [rng.randint(1, 999) for _ in range(20)]
     specs: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -98,6 +100,8 @@ def test_random_workload(kit, seed, overlap):
             assert c.token_ids == want, (rid, c.index)
             assert c.finish_reason == reason
     assert set(finished) | aborted == set(specs)
+    if steps > 1:  # some steps ran several passes, and none behind another step
+        assert any(so.num_decode_steps == steps for so in eng.executor.outputs)
     if overlap:
         assert eng.stats()["num_overlapped_steps"] > 0
         assert eng.executor.max_in_flight == 2

@@ -376,3 +376,33 @@ def test_sliding_window_hybrid_model(kit):
             e.add_request(f"s{i}", prompt(100 * i, 20), SamplingParams(max_tokens=30))
     assert _tokens(kit.run(eng)) == _tokens(kit.run(ref))
     kit.assert_idle(eng)
+
+
+def test_several_decode_passes_only_where_nothing_else_could_use_the_step(kit):
+    """``num_scheduler_steps`` passes while at most four requests run, all decoding, and none
+    waits; the lookahead slots are allocated for them; one pass otherwise."""
+    eng = kit.make_engine(num_scheduler_steps=4, max_num_seqs=2, block_size=4)
+    eng.add_request("a", prompt(0, 6), SamplingParams(max_tokens=11, seed=1))
+    eng.step()
+    assert last_out(eng).num_decode_steps == 1  # a prefill
+    outs = eng.step()
+    so = last_out(eng)
+    assert so.num_decode_steps == 4 and so.num_scheduled_tokens == {"a": 1}
+    # Position 6 is computed, 7-9 are the lookahead: three blocks of 4 hold them.
+    assert len(eng.kv.get_block_ids("a")[0]) == 3
+    assert len(outs[0].outputs[0].token_ids) == 1 + 4
+    eng.add_request("b", prompt(50, 3), SamplingParams(max_tokens=2, seed=2))
+    eng.add_request("c", prompt(90, 3), SamplingParams(max_tokens=2, seed=3))
+    eng.step()  # b is admitted (its prefill), c waits for a seat
+    eng.step()
+    assert last_out(eng).num_decode_steps == 1  # c still waits: b ends after this step
+    done = kit.run(eng)
+    assert len(done["a"].outputs[0].token_ids) == 11  # a's last step ran 3 passes of 4
+    assert [so.num_decode_steps for so in eng.executor.outputs[-2:]] == [1, 4]
+    kit.assert_idle(eng)
+
+    five = kit.make_engine(num_scheduler_steps=4, max_num_seqs=8)
+    for i in range(5):
+        five.add_request(f"r{i}", prompt(10 * i, 3), SamplingParams(max_tokens=3, seed=i))
+    kit.run(five)
+    assert {so.num_decode_steps for so in five.executor.outputs} == {1}

@@ -3,9 +3,22 @@ strings on the incrementally detokenized text."""
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
+import pytest
+
 from pagedserve.messages import SamplingParams
 
 PROMPT = [11, 12, 13, 14, 15]
+
+
+@pytest.fixture(params=[1, 4], ids=["1-pass", "4-passes"])
+def kit(kit, request):
+    """Every test here with one decode pass per step, and with four: the controller then
+    drops what the workers sampled after a stop they do not see (EOS here, stop strings)."""
+    make = functools.partial(kit.make_engine, num_scheduler_steps=request.param)
+    return SimpleNamespace(**{**vars(kit), "make_engine": make})
 
 
 def run_scripted(kit, script, params, *, eos=(), tokenizer=None, max_model_len=None, vocab=1000):

@@ -22,8 +22,10 @@ from pagedserve.controller.errors import PromptTooLongError
 from pagedserve.controller.loop import EngineLoop
 from pagedserve.messages import AddRequest, RequestDelta, SamplingParams
 
+# One decode pass per step: how many a step runs follows from whether a request waits when it
+# is scheduled, which the moment each add lands decides, so the deltas' grouping would too.
 CONFIG = from_flat(block_size=4, num_gpu_blocks=24, max_model_len=96, max_num_seqs=4,
-                   max_num_batched_tokens=32)
+                   max_num_batched_tokens=32, num_scheduler_steps=1)
 LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 SIDE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -239,7 +239,42 @@ class FakeExecutor:
                 row.last_sampled = tok
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append([tok])
+                if so.num_decode_steps > 1:
+                    self._decode_more(rid, row, out.sampled_token_ids[-1], so.num_decode_steps)
         return out
+
+    def _decode_more(self, rid: str, row: Row, tokens: list[int], steps: int) -> None:
+        """More decode passes, as ``workers/multi_step.py`` runs them: each feeds the last
+        sample (its KV written into a lookahead slot, then every position it attends to
+        checked) until the row's room or a stop token ends them. The samples are not kept
+        as the row's tokens: the next step's delta appends them."""
+        assert self.layout is not None
+        bs, n0, p = self.layout.block_size, len(row.tokens), row.params
+        slots = min(len(g) for g in row.blocks) * bs
+        total = min(steps, self.max_model_len - n0, slots + 1 - n0)
+        if p.max_tokens is not None:
+            total = min(total, p.max_tokens - (n0 - row.prompt_len))
+
+        def stops(tok: int) -> bool:
+            return len(row.tokens) + 1 - row.prompt_len > p.min_tokens and (
+                tok in p.stop_token_ids)
+
+        script = self.script.get(rid)
+        while len(tokens) < total and not stops(tokens[-1]) and (
+                script is None or row.emitted < len(script)):
+            pos = len(row.tokens)
+            row.tokens.append(tokens[-1])
+            for g, ids in enumerate(row.blocks):
+                self.pool.setdefault(ids[pos // bs], [None] * bs)[pos % bs] = tokens[-1]
+                window = self.layer_specs[self.layout.groups[g][0]].sliding_window
+                for q in range(max(0, pos - window + 1) if window else 0, pos + 1):
+                    got = self.pool.get(ids[q // bs], [None] * bs)[q % bs]
+                    assert got == row.tokens[q], f"{rid}: KV at {q} holds {got}"
+            tokens.append(self.sample(rid, row))
+            row.emitted += 1
+        del row.tokens[n0:]
+        row.computed = n0 + len(tokens) - 1
+        row.last_sampled = tokens[-1]
 
     def sample(self, rid: str, row: Row) -> int:
         """The token a request whose scheduled tokens reach its end samples this step."""
