@@ -7,6 +7,8 @@ warm-up, so start-up and model loading are left out):
   pagedserve-local  the engine in the benchmark's process (``backend="local"``)
   pagedserve-sync   ``LLM()`` with ``async_scheduling=False``: each step scheduled after the one
                     before is back, to set async scheduling beside the default
+  pagedserve-1pass  ``LLM()`` with ``num_scheduler_steps=1``: one decode pass per step message
+                    (several run only while at most four requests remain)
   pagedserve-int8   ``LLM()`` with ``quantization="int8"`` (whatever ``--quantization`` says):
                     int8 weights and activations beside the engine at ``--dtype``
   pagedserve-spec   ``LLM()`` with ``--speculative-config`` (default: prompt lookup), to set
@@ -64,7 +66,8 @@ from pagedserve.benchmarks.report import emit_table
 from pagedserve.config import cache_root
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-sync", "pagedserve-int8",
+ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-sync", "pagedserve-1pass",
+           "pagedserve-int8",
            "pagedserve-spec", "hf-static", "hf-cb", "vllm", "vllm-default", "base", "base-local")
 VLLM_ENGINES = ("vllm", "vllm-default")
 REFERENCE = "hf-static"
@@ -220,6 +223,9 @@ def run_one(args: argparse.Namespace) -> None:
     elif args.run_one == "pagedserve-sync":
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization,
                               async_scheduling=False)
+    elif args.run_one == "pagedserve-1pass":
+        outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization,
+                              num_scheduler_steps=1)
     elif args.run_one in ("pagedserve-local", "base-local"):
         outs = run_pagedserve(args.model_dir, work, "local", args.dtype, args.quantization)
     elif args.run_one == "hf-static":

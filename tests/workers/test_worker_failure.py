@@ -4,6 +4,8 @@ noise is a function of seed and position, so nothing random is lost with the wor
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers.driver import drive
 
@@ -68,8 +70,12 @@ def _run(config: EngineConfig, fail_call: int) -> dict[str, list[list[int]]]:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("fail_call", [2, 6])
-def test_seeded_and_greedy_sequences_continue_exactly_after_a_failure(config, fail_call):
+@pytest.mark.parametrize(("passes", "fail_call"), [(1, 2), (1, 6), (8, 2), (8, 3)])
+def test_seeded_and_greedy_sequences_continue_exactly_after_a_failure(config, passes, fail_call):
+    """One decode pass per step, or eight: the four sequences then finish in a few steps, so
+    the failure comes at the third, after a step of several passes."""
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, num_scheduler_steps=passes))
     uninterrupted = _run(config, 0)
     assert len(set(uninterrupted["seeded"][0])) > 2  # it really samples
     assert _run(config, fail_call) == uninterrupted
