@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,18 @@ def real_model_cache(tmp_path_factory: pytest.TempPathFactory):
     cache = tmp_path_factory.mktemp("xdg-cache")
     convert_into(cache)
     return cache
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
+    """``checkpoint_dir(kind)``: a tiny checkpoint of that kind, written once per session."""
+    from helpers.checkpoints import make_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_checkpoint(kind, tmp_path_factory.mktemp(kind))
+        return made[kind]
+
+    return get

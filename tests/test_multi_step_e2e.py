@@ -7,24 +7,13 @@ Each case asserts that steps ran several passes, so none passes without them.
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint, repeating_prompts
+from helpers.checkpoints import hf_greedy, load_hf_model, repeating_prompts
 
 from pagedserve import LLM, SamplingParams
-
-
-@functools.cache
-def _checkpoint(kind: str, root: str) -> Path:
-    return make_checkpoint(kind, Path(root) / kind)
-
-
-@pytest.fixture(scope="module")
-def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("ckpts"))
 
 
 def _run(path: Path, prompts, params, **options):
@@ -37,11 +26,11 @@ def _run(path: Path, prompts, params, **options):
 
 @pytest.mark.parametrize(("kind", "block_size", "num_prompts"),
                          [("llama", 4, 1), ("hybrid", 4, 3), ("qwen3", 16, 2)])
-def test_greedy_equals_transformers(ckpt_root: str, kind: str, block_size: int,
+def test_greedy_equals_transformers(checkpoint_dir, kind: str, block_size: int,
                                     num_prompts: int) -> None:
     """Passes run into lookahead slots across block boundaries (block size 4), over a sliding
     window's group too (hybrid), and stop at ``max_tokens`` (30 = 3 x 8 + 6)."""
-    path = _checkpoint(kind, ckpt_root)
+    path = checkpoint_dir(kind)
     prompts = repeating_prompts(3, (5, 12, 21))[:num_prompts]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     outs, stats = _run(path, prompts, params, block_size=block_size, num_scheduler_steps=8)
@@ -54,11 +43,11 @@ def test_greedy_equals_transformers(ckpt_root: str, kind: str, block_size: int,
     assert stats["kv_blocks_used"] == 0
 
 
-def test_sampling_equals_one_pass_per_step(ckpt_root: str) -> None:
+def test_sampling_equals_one_pass_per_step(checkpoint_dir) -> None:
     """Seeded sampling with penalties, ``min_tokens`` before a stop token, logprobs and a
     length cap (``max_model_len``) mid-way through a step's passes: the same tokens, logprobs
     and finish reasons as one pass per step."""
-    path = _checkpoint("llama", ckpt_root)
+    path = checkpoint_dir("llama")
     prompts = repeating_prompts(5, (4, 9, 15, 6))
     opts = {"block_size": 4, "max_model_len": 45}
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

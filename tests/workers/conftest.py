@@ -1,4 +1,5 @@
-"""Fixtures for worker tests: tiny checkpoints (written once per session) and the stepper.
+"""Fixtures for worker tests: the checkpoint helpers and the stepper (``checkpoint_dir`` is
+the suite's, ``tests/conftest.py``).
 
 ``tests/`` is on pytest's ``pythonpath`` (pyproject), so the shared helpers import as
 ``helpers.*``.
@@ -6,7 +7,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -22,16 +22,3 @@ def checkpoints() -> ModuleType:
 @pytest.fixture(scope="session")
 def stepper_module() -> ModuleType:
     return _stepper
-
-
-@pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory):
-    """``checkpoint_dir(kind)``: a tiny checkpoint of that kind, written once per session."""
-    made: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in made:
-            made[kind] = _checkpoints.make_checkpoint(kind, tmp_path_factory.mktemp(kind))
-        return made[kind]
-
-    return get
