@@ -80,21 +80,23 @@ def forward_rows(
     dev = block_tables[0].device
     cu = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=cu[1:])
-    cu_dev, seq_dev = _to(cu, dev, torch.int32), _to(seq_lens, dev, torch.int32)
-    pick = None if sel is None else _to(sel, dev)
+    cu_dev, seq_dev = to_device(cu, dev, torch.int32), to_device(seq_lens, dev, torch.int32)
+    pick = None if sel is None else to_device(sel, dev)
     groups = [
         AttentionMetadata(
-            slot_mapping=_to(table.slot_mapping(req_idx, positions), dev),
+            slot_mapping=to_device(table.slot_mapping(req_idx, positions), dev),
             block_table=full if pick is None else full.index_select(0, pick),
             seq_lens=seq_dev,
             cu_seqlens_q=cu_dev,
         )
         for table, full in zip(tables, block_tables, strict=True)
     ]
-    ids_dev = ids if isinstance(ids, torch.Tensor) else _to(ids, dev)
+    ids_dev = ids if isinstance(ids, torch.Tensor) else to_device(ids, dev)
     with forward_context(ForwardContext(groups, cp)):
-        return model(ids_dev, _to(positions, dev))  # type: ignore[no-any-return]
+        return model(ids_dev, to_device(positions, dev))  # type: ignore[no-any-return]
 
 
-def _to(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def to_device(a: np.ndarray, device: torch.device,
+              dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host array on ``device`` as ``dtype`` (a non-blocking copy)."""
     return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype, non_blocking=True)

@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedserve.kernels import NO_CP, CPLayout, copy_blocks
 from pagedserve.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
+from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context, to_device
 from pagedserve.workers.draft_model import DraftModel
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.kv_pool import KVPool
@@ -34,6 +34,7 @@ from pagedserve.workers.sampler import (
     SamplerOutput,
     SamplingMetadata,
     noise_seed,
+    stop_tokens,
     unpack_bitmask,
 )
 
@@ -263,7 +264,7 @@ class ModelRunner:
         return result
 
     def _to_device(self, a: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
+        return to_device(a, self.device, dtype)
 
     def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray) -> SamplingMetadata:
         """Per sample: its batch row and how many drafts precede its position in that row."""
@@ -331,8 +332,8 @@ class ModelRunner:
             p = b.params[r]
             if p is None or p.min_tokens <= ends[i] - b.num_prompt_tokens[r]:
                 continue
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            pairs.extend((i, t) for t in stops if 0 <= t < b.vocab_size)
+            pairs.extend((i, t) for t in stop_tokens(p, self.eos_token_ids)
+                         if 0 <= t < b.vocab_size)
         if not pairs:
             return None
         idx = self._to_device(np.asarray(pairs, dtype=np.int64))

@@ -25,7 +25,7 @@ from pagedserve.kernels import CPLayout
 from pagedserve.messages import ModelRunnerOutput
 from pagedserve.workers.context import forward_rows
 from pagedserve.workers.input_batch import InputBatch
-from pagedserve.workers.sampler import Sampler, SamplingMetadata
+from pagedserve.workers.sampler import Sampler, SamplingMetadata, stop_tokens
 
 __all__ = ["decode_more"]
 
@@ -119,4 +119,4 @@ def _stops(runner: ModelRunner, row: int, token: int, index: int) -> bool:
     p = b.params[row]
     if p is None or index - b.num_prompt_tokens[row] + 1 <= p.min_tokens:
         return False
-    return token in p.stop_token_ids or (not p.ignore_eos and token in runner.eos_token_ids)
+    return token in stop_tokens(p, runner.eos_token_ids)

@@ -14,11 +14,20 @@ Unseeded rows share one generator and one batched draw.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
+from pagedserve.messages import SamplingParams
+
 _MASK64 = (1 << 64) - 1
+
+
+def stop_tokens(p: SamplingParams, eos_token_ids: Collection[int]) -> set[int]:
+    """The tokens that end a request once ``min_tokens`` allows a stop: its stop token ids,
+    and EOS unless it is ignored."""
+    return set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
 
 
 def noise_seed(seed: int, index: int) -> int:

@@ -29,13 +29,12 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from peers import model_dir  # noqa: E402
-from single_stream import distinct  # noqa: E402
+from single_stream import distinct, timed  # noqa: E402
 
 from pagedserve.benchmarks.report import emit_table  # noqa: E402
 
@@ -83,8 +82,8 @@ def main() -> None:
         pp: dict[str, list[float]] = {n: [] for n in names}
         for rnd in range(args.rounds):
             for n, llm in llms.items():
-                t_pp = _timed(lambda llm=llm: llm.generate([next(prompts)], one, use_tqdm=False))
-                t_tg = _timed(lambda llm=llm: llm.generate([next(prompts)], many, use_tqdm=False))
+                t_pp = timed(lambda llm=llm: llm.generate([next(prompts)], one, use_tqdm=False))
+                t_tg = timed(lambda llm=llm: llm.generate([next(prompts)], many, use_tqdm=False))
                 tg[n].append((args.new - 1) / (t_tg - t_pp))
                 pp[n].append(args.prompt / t_pp)
             print(f"round {rnd + 1}: " + ", ".join(f"{n} {tg[n][-1]:.1f}" for n in names),
@@ -107,12 +106,6 @@ def main() -> None:
         rows.append(f"| {n} | {med(tg[n]):.1f} | {1e3 / med(tg[n]):.2f} | {q[0]:.0f}-{q[-1]:.0f} "
                     f"| {ratio:.3f}x | {med(pp[n]):.0f} |")
     emit_table("\n".join(rows) + "\n", args.out)
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -62,11 +62,11 @@ def read_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
 
     x = torch.ones(mb * 2**20 // 4)
     x.sum()
-    best = min(_timed(x.sum) for _ in range(repeats))
+    best = min(timed(x.sum) for _ in range(repeats))
     return x.numel() * 4 / best / 1e9
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -121,7 +121,7 @@ def child_pagedserve(args: argparse.Namespace) -> dict:
         def timed_runs(params: SamplingParams) -> tuple[float, float, int]:
             """Best wall time of the runs, and the executor's time over all of them."""
             s0 = llm.stats()
-            best = min(_timed(lambda: llm.generate([next(prompts)], params, use_tqdm=False))
+            best = min(timed(lambda: llm.generate([next(prompts)], params, use_tqdm=False))
                        for _ in range(args.repeats))
             return best, llm.stats()["time_execute_s"] - s0["time_execute_s"]
 
