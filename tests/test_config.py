@@ -27,6 +27,8 @@ def test_every_config_class_is_frozen() -> None:
         ({"tensor_parallel_size": 2, "decode_context_parallel_size": 4},
          "decode_context_parallel_size", "divide"),
         ({"max_num_seqs": 0}, "max_num_seqs", ">= 1"),
+        ({"num_scheduler_steps": 0}, "num_scheduler_steps", ">= 1"),
+        ({"num_scheduler_steps": 2.5}, "num_scheduler_steps", "integer"),
         ({"dtype": "int8"}, "dtype", "auto"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype", "auto, bfloat16, fp8_e4m3"),
         ({"kv_cache_dtype": "float16"}, "kv_cache_dtype", "'float16'"),

@@ -209,29 +209,12 @@ class FakeExecutor:
             row = self.rows[rid]
             end = row.computed + n
             assert 0 < n and end <= len(row.tokens), (rid, row.computed, n, len(row.tokens))
-            for p in range(row.computed, end):
-                for g in row.blocks:
-                    b = g[p // bs]
-                    assert b != 0, "write into the null block"
-                    self.pool.setdefault(b, [None] * bs)[p % bs] = row.tokens[p]
+            self._write(row, row.computed, end)
         out = ModelRunnerOutput(step_id=so.step_id, request_errors=errors)
         for rid, n in scheduled.items():
             row = self.rows[rid]
             end = row.computed + n
-            bad = False
-            for g, ids in enumerate(row.blocks):
-                window = self.layer_specs[self.layout.groups[g][0]].sliding_window
-                # The first token of this chunk attends back to (computed - window, computed].
-                first = max(0, end - n - window + 1) if window else 0
-                for p in range(first, end):
-                    got = self.pool.get(ids[p // bs], [None] * bs)[p % bs]
-                    if got != row.tokens[p] and self.reject is not None:
-                        self.bad_reads.append((rid, p))
-                        bad = True
-                        continue
-                    assert got == row.tokens[p], (
-                        f"{rid}: KV at {p} holds {got}, not {row.tokens[p]}"
-                    )
+            bad = self._read(rid, row, end, n)
             row.computed = end
             if end == len(row.tokens):
                 tok = self.vocab_size - 1 if bad else self.sample(rid, row)
@@ -242,6 +225,35 @@ class FakeExecutor:
                 if so.num_decode_steps > 1:
                     self._decode_more(rid, row, out.sampled_token_ids[-1], so.num_decode_steps)
         return out
+
+    def _write(self, row: Row, start: int, end: int) -> None:
+        """The KV of the row's positions [start, end), in every group."""
+        assert self.layout is not None
+        bs = self.layout.block_size
+        for p in range(start, end):
+            for g in row.blocks:
+                b = g[p // bs]
+                assert b != 0, "write into the null block"
+                self.pool.setdefault(b, [None] * bs)[p % bs] = row.tokens[p]
+
+    def _read(self, rid: str, row: Row, end: int, n: int) -> bool:
+        """Check every position the row's last ``n`` tokens (up to ``end``) attend to; True
+        where one held another token (recorded in ``bad_reads`` in ``reject`` mode, else an
+        assertion fails)."""
+        assert self.layout is not None
+        bs, bad = self.layout.block_size, False
+        for g, ids in enumerate(row.blocks):
+            window = self.layer_specs[self.layout.groups[g][0]].sliding_window
+            # The first token of this chunk attends back to (computed - window, computed].
+            first = max(0, end - n - window + 1) if window else 0
+            for p in range(first, end):
+                got = self.pool.get(ids[p // bs], [None] * bs)[p % bs]
+                if got != row.tokens[p] and self.reject is not None:
+                    self.bad_reads.append((rid, p))
+                    bad = True
+                    continue
+                assert got == row.tokens[p], f"{rid}: KV at {p} holds {got}, not {row.tokens[p]}"
+        return bad
 
     def _decode_more(self, rid: str, row: Row, tokens: list[int], steps: int) -> None:
         """More decode passes, as ``workers/multi_step.py`` runs them: each feeds the last
@@ -262,15 +274,10 @@ class FakeExecutor:
         script = self.script.get(rid)
         while len(tokens) < total and not stops(tokens[-1]) and (
                 script is None or row.emitted < len(script)):
-            pos = len(row.tokens)
             row.tokens.append(tokens[-1])
-            for g, ids in enumerate(row.blocks):
-                self.pool.setdefault(ids[pos // bs], [None] * bs)[pos % bs] = tokens[-1]
-                window = self.layer_specs[self.layout.groups[g][0]].sliding_window
-                for q in range(max(0, pos - window + 1) if window else 0, pos + 1):
-                    got = self.pool.get(ids[q // bs], [None] * bs)[q % bs]
-                    assert got == row.tokens[q], f"{rid}: KV at {q} holds {got}"
-            tokens.append(self.sample(rid, row))
+            self._write(row, len(row.tokens) - 1, len(row.tokens))
+            bad = self._read(rid, row, len(row.tokens), 1)
+            tokens.append(self.vocab_size - 1 if bad else self.sample(rid, row))
             row.emitted += 1
         del row.tokens[n0:]
         row.computed = n0 + len(tokens) - 1
