@@ -380,9 +380,14 @@ at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& w, const at:
                                    .findSchemaOrThrow("pagedserve_cpu::quantize_rows_int8", "")
                                    .typed<QuantizeRows>();
   const auto [q, row_scale] = quantize.call(x.stride(1) == 1 ? x : x.contiguous());
+  // The codes offset by 128 in place (the I8 step's unsigned operand): q is this call's own.
+  auto* codes = reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>());
+  const int64_t num_codes = q.numel();
+#pragma omp simd
+  for (int64_t i = 0; i < num_codes; ++i) codes[i] ^= 0x80;
   auto go = [&](auto* o) {
     using E = std::remove_pointer_t<decltype(o)>;
-    run<I8>(q.data_ptr<int8_t>(), t, k, k, w.data_ptr<int8_t>(), tiles,
+    run<I8>(codes, t, k, k, w.data_ptr<int8_t>(), tiles,
             Dequant<E>{o, n, bias_ptr<E>(bias), offset.data_ptr<int32_t>(),
                        col_scale.data_ptr<float>(), row_scale.data_ptr<float>()});
   };

@@ -435,24 +435,24 @@ struct Rows {
 };
 
 // The key range [lo, hi) of a sequence in chunks of at most 16 keys within a block:
-// f(K of the chunk's first key at kv head 0, V the same, j0, nj).
-template <bool kPrefetch, typename Q, typename KV, typename F>
+// f(K of the chunk's first key at kv head 0, V the same, j0, nj, next), next being the start of
+// the following block of the range, or `after` during the range's last block (what the caller
+// will read next, or null).
+template <typename Q, typename KV, typename F>
 __attribute__((always_inline)) inline void for_chunks(const Args<Q, KV>& a, int64_t seq,
-                                                      int64_t lo, int64_t hi, F&& f) {
+                                                      int64_t lo, int64_t hi, F&& f,
+                                                      const KV* after = nullptr) {
   const int64_t bs = a.block, row_stride = a.hkv * a.dim;
   const int32_t* blocks = a.table + seq * a.max_blocks;
   for (int64_t b = lo / bs; b * bs < hi; ++b) {
     const KV* kb = a.kv + (static_cast<int64_t>(blocks[b]) * 2 * bs) * row_stride;
-    if (kPrefetch && (b + 1) * bs < hi) {  // the next block into L2 while this one computes
-      const char* next = reinterpret_cast<const char*>(
-          a.kv + (static_cast<int64_t>(blocks[b + 1]) * 2 * bs) * row_stride);
-      const int64_t bytes = 2 * bs * row_stride * static_cast<int64_t>(sizeof(KV));
-      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
-    }
+    const KV* next = (b + 1) * bs < hi
+                         ? a.kv + (static_cast<int64_t>(blocks[b + 1]) * 2 * bs) * row_stride
+                         : after;
     const int64_t end = std::min(hi, b * bs + bs);
     for (int64_t j0 = std::max(lo, b * bs); j0 < end; j0 += 16) {
       const KV* k = kb + (j0 - b * bs) * row_stride;
-      f(k, k + bs * row_stride, j0, std::min<int64_t>(16, end - j0));
+      f(k, k + bs * row_stride, j0, std::min<int64_t>(16, end - j0), next);
     }
   }
 }
@@ -465,7 +465,7 @@ void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
   const int64_t hi = rows.pos[R - 1] + 1;  // rows go by position: the last sees the most
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, rows.pos[0] - a.window + 1) : 0;
   const int64_t off = it.kv_head * D;
-  for_chunks<false>(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj) {
+  for_chunks(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj, const KV*) {
     rows.keys(a, k + off, v + off, j0, nj);
   });
   rows.finish(a);
@@ -475,17 +475,30 @@ void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
 // heads, contiguous in the pool, are read together, a stream the hardware prefetcher follows,
 // where one head's rows are short runs a head's width apart.
 template <int D, int R, typename Q, typename KV>
-void attend_heads(const Args<Q, KV>& a, const Item& it) {
+void attend_heads(const Args<Q, KV>& a, const Item& it, const KV* after) {
   Rows<D, R, Q, KV> rows[kMaxHeadsPerItem];
   for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].init(a, it, it.kv_head + h, 0);
   const int64_t hi = rows[0].pos[0] + 1;
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, rows[0].pos[0] - a.window + 1) : 0;
-  for_chunks<true>(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj) {
+  const int64_t bs = a.block, row_stride = a.hkv * D;
+  for_chunks(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj,
+                                    const KV* next) {
     for (int64_t h = 0; h < it.kv_heads; ++h) {
       const int64_t off = (it.kv_head + h) * D;
+      // The next block's K and V rows of this head into L2, a head at a time: spread out, the
+      // requests overlap the arithmetic (asked for all at once, they queue behind each other and
+      // the loads behind them), and L2 rather than L1, where they would evict the block in use.
+      if (next != nullptr && j0 % bs == 0) {
+        for (int64_t j = 0; j < 2 * bs; ++j) {
+          const char* row = reinterpret_cast<const char*>(next + j * row_stride + off);
+          for (int line = 0; line < D * static_cast<int>(sizeof(KV)); line += 64) {
+            _mm_prefetch(row + line, _MM_HINT_T1);
+          }
+        }
+      }
       rows[h].keys(a, k + off, v + off, j0, nj);
     }
-  });
+  }, after);
   for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].finish(a);
 }
 
@@ -495,14 +508,14 @@ constexpr int kRowsAtOnce = D >= 128 ? 2 : 4;  // four rows of D = 64: half the 
 // An item's rows: a decode over several heads through attend_heads, else at most
 // kRowsAtOnce rows at a time through attend_rows.
 template <int D, typename Q, typename KV>
-void attend_vec(const Args<Q, KV>& a, const Item& it) {
+void attend_vec(const Args<Q, KV>& a, const Item& it, const KV* after) {
   constexpr int kRows = kRowsAtOnce<D>;
   if (it.kv_heads > 1) {
     switch (a.group) {
-      case 1: return attend_heads<D, 1>(a, it);
-      case 2: return attend_heads<D, 2>(a, it);
-      case 3: if constexpr (kRows > 2) return attend_heads<D, 3>(a, it); break;
-      default: if constexpr (kRows > 2) return attend_heads<D, 4>(a, it); break;
+      case 1: return attend_heads<D, 1>(a, it, after);
+      case 2: return attend_heads<D, 2>(a, it, after);
+      case 3: if constexpr (kRows > 2) return attend_heads<D, 3>(a, it, after); break;
+      default: if constexpr (kRows > 2) return attend_heads<D, 4>(a, it, after); break;
     }
   }
   const int64_t rows = (it.q_end - it.q_begin) * a.group;
@@ -527,11 +540,11 @@ inline bool vec_serves(int64_t dim, int64_t group) {
 
 // Whether attend_vec takes this item; it returns false for what it leaves to attend.
 template <typename Q, typename KV>
-bool attend_fast(const Args<Q, KV>& a, const Item& it) {
+bool attend_fast(const Args<Q, KV>& a, const Item& it, const KV* after) {
   switch (a.dim) {
-    case 64: attend_vec<64>(a, it); return true;
-    case 128: attend_vec<128>(a, it); return true;
-    case 32: attend_vec<32>(a, it); return true;
+    case 64: attend_vec<64>(a, it, after); return true;
+    case 128: attend_vec<128>(a, it, after); return true;
+    case 32: attend_vec<32>(a, it, after); return true;
     default: return false;
   }
 }
@@ -539,7 +552,7 @@ bool attend_fast(const Args<Q, KV>& a, const Item& it) {
 inline bool vec_serves(int64_t, int64_t) { return false; }
 
 template <typename Q, typename KV>
-bool attend_fast(const Args<Q, KV>&, const Item&) {
+bool attend_fast(const Args<Q, KV>&, const Item&, const KV*) {
   return false;
 }
 #endif
@@ -580,8 +593,20 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
   const int64_t n = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
     Scratch scratch;  // per thread, reused across items
-    for (int64_t i = next++; i < n; i = next++) {
-      if (!attend_fast(a, items[i])) attend(a, items[i], scratch);
+    // Each thread claims its next item before it works on this one, so that the next item's
+    // first block can be on its way during this one's last (attend_heads).
+    for (int64_t i = next++; i < n;) {
+      const int64_t j = next++;
+      const KV* after = nullptr;
+      if (j < n) {
+        const Item& it = items[j];
+        const int64_t len = a.lens[it.seq];
+        const int64_t lo = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+        after = a.kv + static_cast<int64_t>(a.table[it.seq * a.max_blocks + lo / a.block]) * 2 *
+                           a.block * a.hkv * a.dim;
+      }
+      if (!attend_fast(a, items[i], after)) attend(a, items[i], scratch);
+      i = j;
     }
   };
   int64_t work = 0;  // multiply-adds, roughly
