@@ -8,8 +8,10 @@ Two layouts, each on CPU kernels with a pure-torch reference beside it:
   ``kernels.linear`` and runs ``csrc/linear_cpu.cpp``'s ``int8_linear_tiled`` at every row
   count: the dynamic path below fused into one call (the row quantization, vpdpbusd's exact
   int32 sums, the scales), its result the unfused path's bit for bit. At one row it reads
-  half of bf16's bytes, and at 64 rows it runs at about 1.5x the tiled bf16 kernel
-  (``benchmarks/scripts/int8_linear.py``). Elsewhere, two kernels, chosen by the number of
+  half of bf16's bytes, and at a batch it issues half of bf16's multiply-add instructions
+  (vpdpbusd sums 64 products where vdpbf16ps sums 32;
+  ``benchmarks/scripts/int8_linear.py`` measures both, ``docs/results/performance.md``
+  section 18 has the figures). Elsewhere, two kernels, chosen by the number of
   rows:
   - up to ``WEIGHT_ONLY_ROWS`` rows (a decode step of a few sequences, where reading the
     weight is the cost), weight-only through ``aten._weight_int8pack_mm``;

@@ -163,7 +163,7 @@ struct BF16 {
 // unsigned byte, applied once per call by int8_linear_tiled), and the epilogue takes 128 x the
 // column's code sum back off. A k quad is then broadcast straight from memory (vpbroadcastd
 // from m32: a load, no vector op); offset here, it went through a general register and a
-// vector shuffle at every broadcast, which cost the int8 kernel 5-15% on AMD Zen 4.
+// vector shuffle at every broadcast (docs/results/performance.md section 18).
 struct I8 : Direct {
   using W = int8_t;
   using X = uint8_t;
@@ -175,7 +175,8 @@ struct I8 : Direct {
   }
   // acc += x (unsigned) . w (signed), by four byte products a lane. In assembly: through the
   // intrinsic, GCC 12 copies every accumulator out and back around each vpdpbusd and spills
-  // some to the stack (32 extra moves a step of eight rows), which cost the kernel a fifth.
+  // some to the stack (32 extra moves a step of eight rows; section 18 of
+  // docs/results/performance.md has what that cost).
   static __m512 madd(__m512 acc, __m512 w, __m512 x) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "vm"(w));
     return acc;
