@@ -111,6 +111,11 @@ struct Meta {
   const int32_t* table;
   int64_t max_blocks, block, hkv, group, dim, window;
   float scale;
+
+  // The first key a query at position pos sees: 0, or the start of its window.
+  int64_t first_key(int64_t pos) const {
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  }
 };
 
 // Q: the element type of q and out; KV: the cache's.
@@ -169,7 +174,7 @@ void attend(const Args<Q, KV>& a, const Item& it, Scratch& scr) {
     }
   }
   const int64_t hi = ctx + it.q_end;  // keys [lo, hi) cover the tile
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx + it.q_begin - a.window + 1) : 0;
+  const int64_t lo = a.first_key(ctx + it.q_begin);
   const int32_t* blocks = a.table + it.seq * a.max_blocks;
   for (int64_t b = lo / bs; b * bs < hi; ++b) {
     const KV* kb = a.kv + (static_cast<int64_t>(blocks[b]) * 2 * bs) * row_stride +
@@ -189,7 +194,7 @@ void attend(const Args<Q, KV>& a, const Item& it, Scratch& scr) {
     }
     for (int64_t qi = 0; qi < nq; ++qi) {
       const int64_t pos = ctx + it.q_begin + qi;
-      const int64_t ja = a.window > 0 ? std::max(j0, pos - a.window + 1) : j0;
+      const int64_t ja = std::max(j0, a.first_key(pos));
       const int64_t jb = std::min(j1, pos + 1);
       if (ja >= jb) continue;
       const int64_t tok = tok0 + it.q_begin + qi;
@@ -463,7 +468,7 @@ void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
   Rows<D, R, Q, KV> rows;
   rows.init(a, it, it.kv_head, r0);
   const int64_t hi = rows.pos[R - 1] + 1;  // rows go by position: the last sees the most
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, rows.pos[0] - a.window + 1) : 0;
+  const int64_t lo = a.first_key(rows.pos[0]);
   const int64_t off = it.kv_head * D;
   for_chunks(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj, const KV*) {
     rows.keys(a, k + off, v + off, j0, nj);
@@ -479,15 +484,16 @@ void attend_heads(const Args<Q, KV>& a, const Item& it, const KV* after) {
   Rows<D, R, Q, KV> rows[kMaxHeadsPerItem];
   for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].init(a, it, it.kv_head + h, 0);
   const int64_t hi = rows[0].pos[0] + 1;
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, rows[0].pos[0] - a.window + 1) : 0;
+  const int64_t lo = a.first_key(rows[0].pos[0]);
   const int64_t bs = a.block, row_stride = a.hkv * D;
   for_chunks(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj,
                                     const KV* next) {
     for (int64_t h = 0; h < it.kv_heads; ++h) {
       const int64_t off = (it.kv_head + h) * D;
-      // The next block's K and V rows of this head into L2, a head at a time: spread out, the
-      // requests overlap the arithmetic (asked for all at once, they queue behind each other and
-      // the loads behind them), and L2 rather than L1, where they would evict the block in use.
+      // The next block's K and V rows of this head (of the next item's first block: the same
+      // heads' rows) into L2, a head at a time: spread out, the requests overlap the arithmetic
+      // (asked for all at once, they queue behind each other and the loads behind them), and
+      // L2 rather than L1, where they would evict the block in use.
       if (next != nullptr && j0 % bs == 0) {
         for (int64_t j = 0; j < 2 * bs; ++j) {
           const char* row = reinterpret_cast<const char*>(next + j * row_stride + off);
@@ -570,7 +576,7 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
     if (a.cu[s] < 0 || a.cu[s + 1] > num_tokens) return s;
     const int64_t len = a.lens[s];
     if (q_len < 0 || q_len > len || len > a.max_blocks * a.block) return s;
-    const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - q_len - a.window + 1) : 0;
+    const int64_t first = a.first_key(len - q_len);
     for (int64_t b = first / a.block; b * a.block < len; ++b) {
       const int32_t id = a.table[s * a.max_blocks + b];
       if (id < 0 || id >= num_blocks) return s;
@@ -600,8 +606,7 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
       const KV* after = nullptr;
       if (j < n) {
         const Item& it = items[j];
-        const int64_t len = a.lens[it.seq];
-        const int64_t lo = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+        const int64_t lo = a.first_key(a.lens[it.seq] - 1);  // a decode's first key
         after = a.kv + static_cast<int64_t>(a.table[it.seq * a.max_blocks + lo / a.block]) * 2 *
                            a.block * a.hkv * a.dim;
       }
