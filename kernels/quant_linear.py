@@ -238,12 +238,14 @@ def int8_linear(
         return int8_linear_ref(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    if weight.tiled is not None and x.dtype in (torch.float32, torch.bfloat16):
+        # the rotation, the row quantization and the matmul in one call
+        y = cpu_ops().int8_linear_tiled(x2, weight.tiled, weight.offset, weight.col_scale,
+                                        None if bias is None else bias.to(x.dtype).contiguous(),
+                                        weight.hadamard)
+        return y.view(*lead, -1)
     if weight.hadamard:
         x2 = hadamard_rows(x2, weight.hadamard)
-    if weight.tiled is not None and x.dtype in (torch.float32, torch.bfloat16):
-        y = cpu_ops().int8_linear_tiled(x2, weight.tiled, weight.offset, weight.col_scale,
-                                        None if bias is None else bias.to(x.dtype).contiguous())
-        return y.view(*lead, -1)
     if x2.shape[0] <= WEIGHT_ONLY_ROWS or not weight.dynamic or k < INT_MM_MIN_K:
         y = torch.ops.aten._weight_int8pack_mm(x2.to(compute_dtype), weight.qweight,
                                                weight.scale.to(compute_dtype)).to(x.dtype)

@@ -61,7 +61,8 @@ using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Te
 using LinearTiled = at::Tensor(const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&);
 using Int8LinearTiled = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, const std::optional<at::Tensor>&);
+                                   const at::Tensor&, const std::optional<at::Tensor>&,
+                                   int64_t);
 using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, std::string_view,
                                    c10::List<std::optional<at::Scalar>>,
@@ -101,6 +102,11 @@ int64_t tensors_of(int64_t kind) {
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor* w, int64_t kind, int64_t hadamard,
                   const std::optional<at::Tensor>& bias, int64_t weight_only_rows,
                   int64_t group_size) {
+  if (kind == kInt8Tiled) {  // w: codes tiled, offset [N] int32, col_scale [N] float32
+    // rotates x itself, in the pass that quantizes it
+    static const auto op = typed_op<Int8LinearTiled>("pagedserve_cpu::int8_linear_tiled");
+    return op.call(x_in, w[0], w[1], w[2], bias, hadamard);
+  }
   static const auto rotate = typed_op<HadamardRows>("pagedserve_cpu::hadamard_rows");
   const at::Tensor x = hadamard > 0 ? rotate.call(x_in, hadamard) : x_in;
   at::Tensor y;
@@ -110,10 +116,6 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* w, int64_t kind, int
     case kTiled: {  // csrc/linear_cpu.cpp
       static const auto op = typed_op<LinearTiled>("pagedserve_cpu::linear_tiled");
       return op.call(x, w[0], bias);
-    }
-    case kInt8Tiled: {  // w: codes tiled, offset [N] int32, col_scale [N] float32
-      static const auto op = typed_op<Int8LinearTiled>("pagedserve_cpu::int8_linear_tiled");
-      return op.call(x, w[0], w[1], w[2], bias);
     }
     case kPacked: {  // a packed weight exists only where torch has this op
       static const auto op = typed_op<LinearPointwise>("mkldnn::_linear_pointwise");

@@ -4,10 +4,12 @@
 //       bfloat16: w_tiled [N/32, K/2, 32, 2], w_tiled[t, p, c, j] = W[32 t + c, 2 p + j]
 //       float32:  w_tiled [N/32, K, 32],      w_tiled[t, k, c]    = W[32 t + c, k]
 //   int8_linear_tiled(x [T, K] float32 or bf16, q_tiled [N/32, K/4, 32, 4] int8,
-//                     offset [N] int32, col_scale [N] float32, bias [N] or None) -> [T, N]
-//       kernels/quant_linear.py's dynamic int8 path: x quantized per row (scale r), the int8
-//       products summed exactly, ((sum - offset) as float32 * r) * col_scale; offset = 128 x the
-//       column's code sum (see I8 below)
+//                     offset [N] int32, col_scale [N] float32, bias [N] or None,
+//                     hadamard) -> [T, N]
+//       kernels/quant_linear.py's dynamic int8 path: x rotated in blocks of `hadamard` columns
+//       (0: not) and quantized per row (scale r), the int8 products summed exactly,
+//       ((sum - offset) as float32 * r) * col_scale; offset = 128 x the column's code sum (see
+//       I8 below)
 //   linear_tiled_dtypes() -> int        which weight dtypes this build serves: 1 float32,
 //                                       2 bfloat16, 4 int8
 //
@@ -360,12 +362,14 @@ at::Tensor linear_tiled(const at::Tensor& x_in, const at::Tensor& w,
   return out;
 }
 
-using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
+using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t);
 
-// x quantized per row (csrc/quant_cpu.cpp's quantize_rows_int8), times the int8 codes w, through
-// the Dequant epilogue: kernels/quant_linear.py's dynamic path in one call.
+// x rotated (hadamard > 0) and quantized per row (csrc/quant_cpu.cpp's quantize_rows_uint8),
+// times the int8 codes w, through the Dequant epilogue: kernels/quant_linear.py's dynamic path
+// in one call.
 at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offset,
-                             const at::Tensor& col_scale, const std::optional<at::Tensor>& bias) {
+                             const at::Tensor& col_scale, const std::optional<at::Tensor>& bias,
+                             int64_t hadamard) {
   TORCH_CHECK(w.scalar_type() == at::kChar, "int8_linear_tiled: w must hold int8 codes");
   check_tiled(x, w, bias, "int8_linear_tiled");
   const int64_t t = x.size(0), k = x.size(1), tiles = w.size(0), n = tiles * kTile;
@@ -377,14 +381,11 @@ at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& w, const at:
   if (t == 0) return out;
 #if defined(__AVX512VNNI__)
   static const auto quantize = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("pagedserve_cpu::quantize_rows_int8", "")
+                                   .findSchemaOrThrow("pagedserve_cpu::quantize_rows_uint8", "")
                                    .typed<QuantizeRows>();
-  const auto [q, row_scale] = quantize.call(x.stride(1) == 1 ? x : x.contiguous());
-  // The codes offset by 128 in place (the I8 step's unsigned operand): q is this call's own.
-  auto* codes = reinterpret_cast<uint8_t*>(q.data_ptr<int8_t>());
-  const int64_t num_codes = q.numel();
-#pragma omp simd
-  for (int64_t i = 0; i < num_codes; ++i) codes[i] ^= 0x80;
+  // The codes plus 128 (the I8 step's unsigned operand).
+  const auto [q, row_scale] = quantize.call(x.stride(1) == 1 ? x : x.contiguous(), hadamard);
+  const uint8_t* codes = q.data_ptr<uint8_t>();
   auto go = [&](auto* o) {
     using E = std::remove_pointer_t<decltype(o)>;
     run<I8>(codes, t, k, k, w.data_ptr<int8_t>(), tiles,
@@ -404,8 +405,8 @@ at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& w, const at:
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def("linear_tiled(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  lib.def("int8_linear_tiled(Tensor x, Tensor w, Tensor offset, Tensor col_scale, Tensor? bias) "
-          "-> Tensor");
+  lib.def("int8_linear_tiled(Tensor x, Tensor w, Tensor offset, Tensor col_scale, Tensor? bias, "
+          "int hadamard=0) -> Tensor");
   lib.impl("int8_linear_tiled", c10::DispatchKey::CPU, int8_linear_tiled);
   lib.def("linear_tiled_dtypes() -> int", linear_tiled_dtypes);
   lib.impl("linear_tiled", c10::DispatchKey::CPU, linear_tiled);

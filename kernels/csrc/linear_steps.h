@@ -159,8 +159,8 @@ struct BF16 {
 
 #if defined(__AVX512VNNI__)
 // int8 codes against int8 activations, summed exactly in int32 by vpdpbusd, which multiplies
-// unsigned by signed bytes: the activation codes come offset by 128 (q ^ 0x80 is q + 128 as an
-// unsigned byte, applied once per call by int8_linear_tiled), and the epilogue takes 128 x the
+// unsigned by signed bytes: the activation codes come offset by 128 (written so by
+// quantize_rows_uint8 as it quantizes), and the epilogue takes 128 x the
 // column's code sum back off. A k quad is then broadcast straight from memory (vpbroadcastd
 // from m32: a load, no vector op); offset here, it went through a general register and a
 // vector shuffle at every broadcast (docs/results/performance.md section 18).

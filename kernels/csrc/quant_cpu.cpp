@@ -7,6 +7,11 @@
 //       -127, 127)
 //   dequantize_int32(acc [T, N] int32, row_scale [T], col_scale [N] float32, dtype)
 //       -> [T, N] in dtype                              (acc * row_scale) * col_scale
+//   quantize_rows_uint8(x [T, K], block) -> (q [T, K] uint8, scale [T] float32)
+//       hadamard_rows(x, block) (block 0: x itself), then quantize_rows_int8, in one pass per
+//       row (the rotated row stays in a float32 buffer, rounded to x's dtype as hadamard_rows
+//       rounds its output, so the codes are the two ops' bit for bit), each code stored plus
+//       128: the unsigned operand of the int8 matmul's vpdpbusd (csrc/linear_cpu.cpp)
 //   hadamard_rows(x [T, K], block) -> [T, K] in x's dtype
 //       each row, seen as a matrix [block, K / block], multiplied from the left by Sylvester's
 //       Hadamard matrix H_block / sqrt(block) (orthonormal; block a power of two dividing K):
@@ -33,7 +38,12 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "bf16.h"
 #include "rows.h"
@@ -51,6 +61,99 @@ using pagedserve::store;
 // integer in the current (round-to-nearest-even) mode.
 constexpr float kRound = 12582912.f;
 
+// One row's codes: scale = max(amax / 127, FLT_MIN), code = clamp(round_even(x / scale)),
+// stored as int8 or, for Code = uint8_t, plus 128. Returns the scale.
+template <typename Code, typename S>
+float quantize_row(const S* __restrict xr, int64_t k, Code* __restrict qr) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(load(xr[i])));
+  const float s = std::max(amax / 127.f, FLT_MIN);  // a zero row: codes 0, not 0 * inf
+  const float inv = 1.f / s;
+  constexpr int32_t bias = std::is_same_v<Code, uint8_t> ? 128 : 0;
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) {
+    // round half to even by the float adder (|v| <= 127 here, far below 2^22), where
+    // nearbyint would be a library call per element
+    float v = (load(xr[i]) * inv + kRound) - kRound;
+    v = v > 127.f ? 127.f : v;
+    v = v < -127.f ? -127.f : v;
+    qr[i] = static_cast<Code>(static_cast<int32_t>(v) + bias);
+  }
+  return s;
+}
+
+// p, q <- p + q, p - q over n floats (two distinct runs of one row).
+inline void butterfly(float* __restrict p, float* __restrict q, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float a = p[c], d = q[c];
+    p[c] = a + d;
+    q[c] = a - d;
+  }
+}
+
+#if defined(__AVX512F__)
+// Stages h0, 2 h0, ..., 2^(G-1) h0 of the transform of v [block, run], 16 columns at a time:
+// the 2^G view rows j = base + m h0 (m < 2^G) that those stages pair among themselves are held
+// in registers through all G stages, so the row buffer is read and written once per G stages
+// (the runs are short: 24 floats at K = 1536, block 64). Each element sees the same adds and
+// subtracts, in the same order, as stage by stage.
+template <int G>
+void stages_in_registers(float* v, int64_t block, int64_t run, int64_t h0) {
+  constexpr int span = 1 << G;
+  const int64_t group_bits = h0 * (span - 1);
+  for (int64_t c = 0; c < run; c += 16) {
+    const __mmask16 m =
+        run - c >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (run - c)) - 1);
+    for (int64_t base = 0; base < block; ++base) {
+      if (base & group_bits) continue;
+      __m512 r[span];
+      for (int i = 0; i < span; ++i) r[i] = _mm512_maskz_loadu_ps(m, v + (base + i * h0) * run + c);
+      for (int s = 1; s < span; s <<= 1) {
+        for (int i = 0; i < span; ++i) {
+          if (i & s) continue;
+          const __m512 a = r[i], d = r[i + s];
+          r[i] = _mm512_add_ps(a, d);
+          r[i + s] = _mm512_sub_ps(a, d);
+        }
+      }
+      for (int i = 0; i < span; ++i) _mm512_mask_storeu_ps(v + (base + i * h0) * run + c, m, r[i]);
+    }
+  }
+}
+#endif
+
+// v [K] <- hadamard_rows' transform of the row xr, unnormalised, in float32.
+template <typename T>
+void rotate_row(const T* __restrict xr, float* __restrict v, int64_t k, int64_t block) {
+  const int64_t run = k / block;  // the length of one row of the [block, K / block] view
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) v[i] = load(xr[i]);
+#if defined(__AVX512F__)
+  for (int64_t h = 1; h < block; h *= 8) {
+    const int64_t left = block / h;  // 2^(stages left)
+    if (left >= 8) {
+      stages_in_registers<3>(v, block, run, h);
+    } else if (left == 4) {
+      stages_in_registers<2>(v, block, run, h);
+    } else {
+      stages_in_registers<1>(v, block, run, h);
+    }
+  }
+#else
+  for (int64_t h = 1; h < block; h *= 2) {  // each stage pairs view rows h apart
+    for (int64_t i = 0; i < block; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) butterfly(v + j * run, v + (j + h) * run, run);
+    }
+  }
+#endif
+}
+
+void check_block(int64_t k, int64_t block, const char* op) {
+  TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && k % block == 0, op,
+              ": block must be a power of two dividing K = ", k, ", got ", block);
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 2, "quantize_rows_int8: x [T, K]");
@@ -63,24 +166,38 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
     using T = decltype(tag);
     const T* xp = ptr<T>(x);
     at::parallel_for(0, t, grain_rows(2 * k), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) sp[r] = quantize_row(xp + r * xs, k, qp + r * k);
+    });
+  });
+  return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x, int64_t block) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2, "quantize_rows_uint8: x [T, K]");
+  const int64_t t = x.size(0), k = x.size(1), xs = x.stride(0);
+  if (block > 0) check_block(k, block, "quantize_rows_uint8");
+  at::Tensor q = at::empty({t, k}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({t}, x.options().dtype(at::kFloat));
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  const float norm = block > 0 ? 1.f / std::sqrt(static_cast<float>(block)) : 1.f;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x);
+    at::parallel_for(0, t, grain_rows((block > 0 ? 4 : 2) * k), [&](int64_t b, int64_t e) {
+      std::vector<float> buf(block > 0 ? k : 0);  // one rotated row in float32
+      float* v = buf.data();
       for (int64_t r = b; r < e; ++r) {
         const T* xr = xp + r * xs;
-        float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-        for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(load(xr[i])));
-        const float s = std::max(amax / 127.f, FLT_MIN);  // a zero row: codes 0, not 0 * inf
-        const float inv = 1.f / s;
-        sp[r] = s;
-        int8_t* qr = qp + r * k;
-#pragma omp simd
-        for (int64_t i = 0; i < k; ++i) {
-          // round half to even by the float adder (|v| <= 127 here, far below 2^22), where
-          // nearbyint would be a library call per element
-          float v = (load(xr[i]) * inv + kRound) - kRound;
-          v = v > 127.f ? 127.f : v;
-          v = v < -127.f ? -127.f : v;
-          qr[i] = static_cast<int8_t>(static_cast<int32_t>(v));
+        if (block == 0) {
+          sp[r] = quantize_row(xr, k, qp + r * k);
+          continue;
         }
+        rotate_row(xr, v, k, block);
+#pragma omp simd
+        for (int64_t i = 0; i < k; ++i) v[i] = load(store<T>(v[i] * norm));
+        sp[r] = quantize_row(v, k, qp + r * k);
       }
     });
   });
@@ -118,22 +235,11 @@ at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale,
   return out;
 }
 
-// p, q <- p + q, p - q over n floats (two distinct runs of one row).
-inline void butterfly(float* __restrict p, float* __restrict q, int64_t n) {
-  for (int64_t c = 0; c < n; ++c) {
-    const float a = p[c], d = q[c];
-    p[c] = a + d;
-    q[c] = a - d;
-  }
-}
-
 at::Tensor hadamard_rows(const at::Tensor& x, int64_t block) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 2, "hadamard_rows: x [T, K]");
   const int64_t t = x.size(0), k = x.size(1), xs = x.stride(0);
-  TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && k % block == 0,
-              "hadamard_rows: block must be a power of two dividing K = ", k, ", got ", block);
-  const int64_t run = k / block;  // the length of one row of the [block, K / block] view
+  check_block(k, block, "hadamard_rows");
   at::Tensor out = at::empty({t, k}, x.options());
   const float norm = 1.f / std::sqrt(static_cast<float>(block));
   dispatch(x, [&](auto tag) {
@@ -144,14 +250,7 @@ at::Tensor hadamard_rows(const at::Tensor& x, int64_t block) {
       std::vector<float> buf(k);  // one row in float32
       float* v = buf.data();
       for (int64_t r = b; r < e; ++r) {
-        const T* xr = xp + r * xs;
-#pragma omp simd
-        for (int64_t i = 0; i < k; ++i) v[i] = load(xr[i]);
-        for (int64_t h = 1; h < block; h *= 2) {  // each stage pairs view rows h apart
-          for (int64_t i = 0; i < block; i += 2 * h) {
-            for (int64_t j = i; j < i + h; ++j) butterfly(v + j * run, v + (j + h) * run, run);
-          }
-        }
+        rotate_row(xp + r * xs, v, k, block);
         T* o = op + r * k;
 #pragma omp simd
         for (int64_t i = 0; i < k; ++i) o[i] = store<T>(v[i] * norm);
@@ -167,8 +266,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def("hadamard_rows(Tensor x, int block) -> Tensor");
   lib.impl("hadamard_rows", c10::DispatchKey::CPU, hadamard_rows);
   lib.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
+  lib.def("quantize_rows_uint8(Tensor x, int block) -> (Tensor, Tensor)");
   lib.def("dequantize_int32(Tensor acc, Tensor row_scale, Tensor col_scale, ScalarType dtype) "
           "-> Tensor");
   lib.impl("quantize_rows_int8", c10::DispatchKey::CPU, quantize_rows_int8);
+  lib.impl("quantize_rows_uint8", c10::DispatchKey::CPU, quantize_rows_uint8);
   lib.impl("dequantize_int32", c10::DispatchKey::CPU, dequantize_int32);
 }

@@ -116,19 +116,21 @@ def test_hadamard_matrix_is_orthonormal_and_symmetric() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block", [1, 2, 16, 64])
-def test_compiled_hadamard_rows_follow_float64(block, dtype) -> None:
+@pytest.mark.parametrize(("block", "k"), [(1, 192), (2, 192), (16, 192), (64, 192), (32, 1536),
+                                          (64, 1536)])
+def test_compiled_hadamard_rows_follow_float64(block, k, dtype) -> None:
     # The fast transform's butterflies in float32 against one float64 matmul: float32
-    # summation (log2(block) adds per element), then the output's rounding to dtype.
+    # summation (log2(block) adds per element), then the output's rounding to dtype. The
+    # shapes give runs of K / block = 3 to 192 floats, shorter and longer than a vector.
     g = torch.Generator().manual_seed(block)
-    x = (torch.randn(7, 192, generator=g) * 4).to(dtype)
+    x = (torch.randn(7, k, generator=g) * 4).to(dtype)
     x[3] = 0.0
     x[3, 5] = 300.0  # a lone outlier: spread evenly over its group, the rest of the row zero
     want = hadamard_rows_ref(x.double(), block)
     got = hadamard_rows(x, block)
     assert got.dtype == dtype and got.shape == x.shape
     assert _rel(got, want) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
-    group = want[3, 5 % (192 // block)::192 // block]  # channels 192 / block apart
+    group = want[3, 5 % (k // block)::k // block]  # channels K / block apart
     assert torch.allclose(group.abs(), torch.full((block,), 300.0 / block ** 0.5,
                                                   dtype=torch.float64))
     assert want[3].count_nonzero() == block
@@ -229,7 +231,7 @@ def test_int4_refuses_bad_shapes() -> None:
 
 @pytest.mark.skipif(not tiles(torch.int8), reason="no tiled int8 kernel (needs AVX512-VNNI)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hadamard", [0, 32])
+@pytest.mark.parametrize("hadamard", [0, 32, 64])
 def test_tiled_int8_equals_the_unfused_dynamic_path(dtype, hadamard) -> None:
     """The tiled kernel sums the same int8 products exactly and scales them in the same order
     as quantize_rows_int8, torch._int_mm and dequantize_int32: the same result bit for bit, at
