@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "quant_cpu.cpp",
                               "decoder_layer_cpu.cpp", "linear_cpu.cpp", "vec_exp.h", "bf16.h",
-                              "rows.h", "keys16.h", "linear_steps.h"))
+                              "rows.h", "keys16.h", "linear_steps.h", "quant_rows.h"))
 _LIB = "pagedserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 

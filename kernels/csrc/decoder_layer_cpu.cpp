@@ -49,6 +49,12 @@ using Rotary = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::T
                                                   const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&);
 using SiluAndMul = at::Tensor(const at::Tensor&);
+using Codes = std::tuple<at::Tensor, at::Tensor>;  // uint8 codes plus 128, row scales
+using AddRmsNormQuant = Codes(at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t);
+using SiluAndMulQuant = Codes(const at::Tensor&, int64_t);
+using Int8LinearCodes = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, at::ScalarType);
 using ReshapeAndCache = void(const at::Tensor&, const at::Tensor&, at::Tensor&,
                              const at::Tensor&);
 using PagedAttention = int64_t(const at::Tensor&, const at::Tensor&, at::Tensor&,
@@ -76,6 +82,12 @@ struct Ops {
   c10::TypedOperatorHandle<Rotary> rotary = typed_op<Rotary>("pagedserve_cpu::rotary");
   c10::TypedOperatorHandle<SiluAndMul> silu_and_mul =
       typed_op<SiluAndMul>("pagedserve_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<AddRmsNormQuant> add_rms_norm_quant =
+      typed_op<AddRmsNormQuant>("pagedserve_cpu::add_rms_norm_quant_");
+  c10::TypedOperatorHandle<SiluAndMulQuant> silu_and_mul_quant =
+      typed_op<SiluAndMulQuant>("pagedserve_cpu::silu_and_mul_quant");
+  c10::TypedOperatorHandle<Int8LinearCodes> int8_linear_codes =
+      typed_op<Int8LinearCodes>("pagedserve_cpu::int8_linear_codes");
   c10::TypedOperatorHandle<ReshapeAndCache> reshape_and_cache =
       typed_op<ReshapeAndCache>("pagedserve_cpu::reshape_and_cache");
   c10::TypedOperatorHandle<PagedAttention> paged_attention =
@@ -169,21 +181,30 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   };
   TORCH_CHECK(x.dim() == 2, "decoder_layer: x [T, H]");
   const Ops& o = ops();
+  // A tiled int8 projection after the second norm or SiLU takes its input as codes: that op
+  // rotates and quantizes each row as it computes it (csrc/layers_cpu.cpp's *_quant ops), where
+  // int8_linear_tiled would read the row back to do so. The result is the same bit for bit.
+  auto project_codes = [&](const Codes& codes, int i, const std::optional<at::Tensor>& bias) {
+    return o.int8_linear_codes.call(std::get<0>(codes), std::get<1>(codes), w[i][0], w[i][1],
+                                    w[i][2], bias, x.scalar_type());
+  };
   const int64_t t = x.size(0), d = kv_cache.size(4);
   const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
 
   at::Tensor residual;
-  at::Tensor h;
-  if (residual_in.has_value()) {
-    residual = *residual_in;
-    h = o.add_rms_norm.call(residual, x, input_norm, eps);
-  } else {
+  at::Tensor qkv;  // [T, Q + 2K]
+  if (!residual_in.has_value()) {
     residual = x;  // the embedding starts the stream
-    h = o.rms_norm.call(x, input_norm, eps);
+    qkv = project(o.rms_norm.call(x, input_norm, eps), 0, qkv_bias);
+  } else {
+    residual = *residual_in;
+    qkv = kinds[0] == kInt8Tiled
+              ? project_codes(o.add_rms_norm_quant.call(residual, x, input_norm, eps, hadamard[0]),
+                              0, qkv_bias)
+              : project(o.add_rms_norm.call(residual, x, input_norm, eps), 0, qkv_bias);
   }
 
   // Attention: q, k, v are views of the fused projection (unit stride in D).
-  const at::Tensor qkv = project(h, 0, qkv_bias);  // [T, Q + 2K]
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, d});
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, d});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, d});
@@ -198,10 +219,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   const at::Tensor attn = project(out.view({t, q_size}), 1, std::nullopt);
 
   // MLP, after the residual add of the attention output.
-  h = o.add_rms_norm.call(residual, attn, post_norm, eps);
-  const at::Tensor gate_up = project(h, 2, std::nullopt);
-  const at::Tensor act = o.silu_and_mul.call(gate_up);
-  return {project(act, 3, std::nullopt), residual};
+  const at::Tensor gate_up =
+      kinds[2] == kInt8Tiled
+          ? project_codes(o.add_rms_norm_quant.call(residual, attn, post_norm, eps, hadamard[2]),
+                          2, std::nullopt)
+          : project(o.add_rms_norm.call(residual, attn, post_norm, eps), 2, std::nullopt);
+  if (kinds[3] == kInt8Tiled) {
+    return {project_codes(o.silu_and_mul_quant.call(gate_up, hadamard[3]), 3, std::nullopt),
+            residual};
+  }
+  return {project(o.silu_and_mul.call(gate_up), 3, std::nullopt), residual};
 }
 
 }  // namespace

@@ -8,6 +8,11 @@
 //   rotary(q [T, Hq, D], k [T, Hkv, D], positions [T], cos [P, D/2], sin [P, D/2])
 //       -> (q, k) rotated, contiguous                   half-rotation layout (Llama, Qwen)
 //   silu_and_mul(x [T, 2I]) -> [T, I]                   silu(x[:, :I]) * x[:, I:]
+//   add_rms_norm_quant_(residual, x, weight, eps, block), silu_and_mul_quant(x, block)
+//       -> (q [T, K] uint8, scale [T] float32)          the op's output row rotated and
+//                                                       quantized for an int8 matmul as it is
+//                                                       computed: quantize_rows_uint8 of the
+//                                                       output (csrc/quant_cpu.cpp) bit for bit
 //   reshape_and_cache(key, value [T, Hkv, D], kv_cache [NB, 2, B, Hkv, D], slots [T])
 //                                                       slot < 0: skipped
 //
@@ -35,8 +40,10 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "bf16.h"
+#include "quant_rows.h"
 #include "rows.h"
 #include "vec_exp.h"
 
@@ -50,6 +57,8 @@ using pagedserve::grain_rows;
 using pagedserve::load;
 using pagedserve::ptr;
 using pagedserve::store;
+using pagedserve::quant::check_block;
+using pagedserve::quant::rotate_and_quantize;
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   check_rows(x, "x");
@@ -58,16 +67,27 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   check_same_dtype(x, weight, "rms_norm");
 }
 
+// A value computed in T as a row of O holds it: T itself, or (O float32, a row about to be
+// quantized) the T value widened, exactly.
+template <typename O, typename T>
+inline O keep(T v) {
+  if constexpr (std::is_same_v<O, T>) {
+    return v;
+  } else {
+    return load(v);
+  }
+}
+
 // One row: orow = w * T(xr * rsqrt(mean(xr^2) + eps)), the product rounded to T.
-template <typename T>
-inline void norm_row(const T* xr, const T* wp, int64_t h, double eps, T* orow) {
+template <typename T, typename O>
+inline void norm_row(const T* xr, const T* wp, int64_t h, double eps, O* orow) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < h; ++i) ss += load(xr[i]) * load(xr[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
 #pragma omp simd
   for (int64_t i = 0; i < h; ++i) {
-    orow[i] = store<T>(load(wp[i]) * load(store<T>(load(xr[i]) * inv)));
+    orow[i] = keep<O>(store<T>(load(wp[i]) * load(store<T>(load(xr[i]) * inv))));
   }
 }
 
@@ -89,33 +109,72 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // The residual add of a decoder layer fused into the norm that follows it: one pass adds the
 // sublayer's output into the residual stream (in place, rounded to its dtype as the reference's
-// out-of-place add would be) and normalises the sum while its row is in cache.
-at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
-                         double eps) {
+// out-of-place add would be) and hands the sum to row(r, summed row, norm weight) while it is
+// in cache; row runs on the parallel loop's threads.
+void check_add_args(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                    const char* op) {
   check_norm_args(residual, weight);
   check_rows(x, "x");
-  check_same_dtype(residual, x, "add_rms_norm_");
+  check_same_dtype(residual, x, op);
   TORCH_CHECK(x.dim() == 2 && x.size(0) == residual.size(0) && x.size(1) == residual.size(1),
-              "add_rms_norm_: x and residual must both be [T, H]");
+              op, ": x and residual must both be [T, H]");
+}
+
+template <typename Row>
+void add_rows_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+               int64_t grain, Row&& row) {
   const int64_t t = x.size(0), h = x.size(1), rs = residual.stride(0), xs = x.stride(0);
-  at::Tensor out = at::empty({t, h}, x.options());
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     T* rp = ptr<T>(residual);
     const T* xp = ptr<T>(x);
     const T* wp = ptr<T>(weight);
-    T* op = ptr<T>(out);
-    at::parallel_for(0, t, grain_rows(h), [&](int64_t b, int64_t e) {
+    at::parallel_for(0, t, grain, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         T* rr = rp + r * rs;
         const T* xr = xp + r * xs;
 #pragma omp simd
         for (int64_t i = 0; i < h; ++i) rr[i] = store<T>(load(rr[i]) + load(xr[i]));
-        norm_row(rr, wp, h, eps, op + r * h);
+        row(r, static_cast<const T*>(rr), wp);
       }
     });
   });
+}
+
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                         double eps) {
+  check_add_args(residual, x, weight, "add_rms_norm_");
+  const int64_t h = x.size(1);
+  at::Tensor out = at::empty({x.size(0), h}, x.options());
+  add_rows_(residual, x, weight, grain_rows(h), [&](int64_t r, auto* rr, auto* wp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(rr)>>;
+    norm_row(rr, wp, h, eps, ptr<T>(out) + r * h);
+  });
   return out;
+}
+
+// add_rms_norm_ with the normed row quantized for an int8 projection as it is computed (csrc/
+// quant_rows.h: rotated in blocks of `block` first, 0: not): the codes (plus 128) and row scales
+// are quantize_rows_uint8(add_rms_norm_(...), block)'s bit for bit, without the normed row.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_quant_(at::Tensor& residual, const at::Tensor& x,
+                                                       const at::Tensor& weight, double eps,
+                                                       int64_t block) {
+  check_add_args(residual, x, weight, "add_rms_norm_quant_");
+  const int64_t t = x.size(0), h = x.size(1);
+  if (block > 0) check_block(h, block, "add_rms_norm_quant_");
+  at::Tensor q = at::empty({t, h}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({t}, x.options().dtype(at::kFloat));
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  add_rows_(residual, x, weight, grain_rows(2 * h),
+            [&](int64_t r, auto* rr, auto* wp) {
+              using T = std::remove_const_t<std::remove_pointer_t<decltype(rr)>>;
+              thread_local std::vector<float> buf;  // the normed row in float32
+              buf.resize(h);
+              norm_row(rr, wp, h, eps, buf.data());
+              sp[r] = rotate_and_quantize<T>(buf.data(), h, block, qp + r * h);
+            });
+  return {q, scale};
 }
 
 // One [heads, D] row of a token: out = (x1 * c - x2 * s, x2 * c + x1 * s), float32 math.
@@ -181,29 +240,62 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   return {qo, ko};
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+// silu(g) * u over one row of n, each product rounded to T (kept as O: keep).
+template <typename T, typename O>
+inline void silu_row(const T* __restrict g, const T* __restrict u, int64_t n, O* __restrict o) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = load(g[i]);
+    o[i] = keep<O>(store<T>(gi / (1.f + vec_exp(-gi)) * load(u[i])));
+  }
+}
+
+// The parallel loop of the two SiLU ops: row(r, gate row, up row, n).
+void check_silu_args(const at::Tensor& x, const char* op) {
   check_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x [T, 2I]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, op, ": x [T, 2I]");
+}
+
+template <typename Row>
+void silu_rows(const at::Tensor& x, Row&& row) {
   const int64_t t = x.size(0), n = x.size(1) / 2, xs = x.stride(0);
-  at::Tensor out = at::empty({t, n}, x.options());
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = ptr<T>(x);
-    T* op = ptr<T>(out);
     at::parallel_for(0, t, grain_rows(3 * n), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const T* g = xp + r * xs;
-        const T* u = g + n;
-        T* o = op + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-          const float gi = load(g[i]);
-          o[i] = store<T>(gi / (1.f + vec_exp(-gi)) * load(u[i]));
-        }
-      }
+      for (int64_t r = b; r < e; ++r) row(r, xp + r * xs, xp + r * xs + n, n);
     });
   });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_silu_args(x, "silu_and_mul");
+  at::Tensor out = at::empty({x.size(0), x.size(-1) / 2}, x.options());
+  silu_rows(x, [&](int64_t r, auto* g, auto* u, int64_t n) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+    silu_row(g, u, n, ptr<T>(out) + r * n);
+  });
   return out;
+}
+
+// silu_and_mul with its row quantized for the int8 down projection as it is computed (see
+// add_rms_norm_quant_): quantize_rows_uint8(silu_and_mul(x), block) bit for bit.
+std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor& x, int64_t block) {
+  check_silu_args(x, "silu_and_mul_quant");
+  const int64_t t = x.size(0), n = x.size(-1) / 2;
+  if (block > 0) check_block(n, block, "silu_and_mul_quant");
+  at::Tensor q = at::empty({t, n}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({t}, x.options().dtype(at::kFloat));
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  silu_rows(x, [&](int64_t r, auto* g, auto* u, int64_t n) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+    thread_local std::vector<float> buf;  // the row in float32
+    buf.resize(n);
+    silu_row(g, u, n, buf.data());
+    sp[r] = rotate_and_quantize<T>(buf.data(), n, block, qp + r * n);
+  });
+  return {q, scale};
 }
 
 // Copies one head row of d elements, converting when the cache's type differs from the source.
@@ -285,10 +377,15 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("rotary(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   lib.def("silu_and_mul(Tensor x) -> Tensor");
+  lib.def("add_rms_norm_quant_(Tensor(a!) residual, Tensor x, Tensor weight, float eps, "
+          "int block) -> (Tensor, Tensor)");
+  lib.def("silu_and_mul_quant(Tensor x, int block) -> (Tensor, Tensor)");
   lib.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   lib.impl("rms_norm", c10::DispatchKey::CPU, rms_norm);
   lib.impl("add_rms_norm_", c10::DispatchKey::CPU, add_rms_norm_);
   lib.impl("rotary", c10::DispatchKey::CPU, rotary);
   lib.impl("silu_and_mul", c10::DispatchKey::CPU, silu_and_mul);
+  lib.impl("add_rms_norm_quant_", c10::DispatchKey::CPU, add_rms_norm_quant_);
+  lib.impl("silu_and_mul_quant", c10::DispatchKey::CPU, silu_and_mul_quant);
   lib.impl("reshape_and_cache", c10::DispatchKey::CPU, reshape_and_cache);
 }

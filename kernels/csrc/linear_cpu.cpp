@@ -10,6 +10,10 @@
 //       (0: not) and quantized per row (scale r), the int8 products summed exactly,
 //       ((sum - offset) as float32 * r) * col_scale; offset = 128 x the column's code sum (see
 //       I8 below)
+//   int8_linear_codes(codes [T, K] uint8, row_scale [T], q_tiled, offset, col_scale, bias,
+//                     dtype) -> [T, N]
+//       the same on rows already quantized (codes plus 128, as quantize_rows_uint8 and the
+//       *_quant ops of csrc/layers_cpu.cpp write them)
 //   linear_tiled_dtypes() -> int        which weight dtypes this build serves: 1 float32,
 //                                       2 bfloat16, 4 int8
 //
@@ -364,40 +368,77 @@ at::Tensor linear_tiled(const at::Tensor& x_in, const at::Tensor& w,
 
 using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t);
 
+// The checks of the int8 epilogue's vectors against a weight of N = tiles * 32 columns.
+void check_int8_epilogue(const at::Tensor& w, const at::Tensor& offset,
+                         const at::Tensor& col_scale, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kChar, op, ": w must hold int8 codes");
+  const int64_t n = w.size(0) * kTile;
+  TORCH_CHECK(offset.scalar_type() == at::kInt && offset.is_contiguous() && offset.numel() == n &&
+                  col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
+                  col_scale.numel() == n,
+              op, ": offset [N] int32 and col_scale [N] float32, contiguous");
+}
+
+// The codes (plus 128) [T, K] times w through the Dequant epilogue, into out [T, N].
+void int8_matmul(const at::Tensor& codes, const at::Tensor& row_scale, const at::Tensor& w,
+                 const at::Tensor& offset, const at::Tensor& col_scale,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out) {
+#if defined(__AVX512VNNI__)
+  const int64_t t = codes.size(0), k = codes.size(1), tiles = w.size(0), n = tiles * kTile;
+  auto go = [&](auto* o) {
+    using E = std::remove_pointer_t<decltype(o)>;
+    run<I8>(codes.data_ptr<uint8_t>(), t, k, k, w.data_ptr<int8_t>(), tiles,
+            Dequant<E>{o, n, bias_ptr<E>(bias), offset.data_ptr<int32_t>(),
+                       col_scale.data_ptr<float>(), row_scale.data_ptr<float>()});
+  };
+  if (out.scalar_type() == at::kBFloat16) {
+    go(static_cast<uint16_t*>(out.data_ptr()));
+  } else {
+    go(out.data_ptr<float>());
+  }
+#endif
+}
+
 // x rotated (hadamard > 0) and quantized per row (csrc/quant_cpu.cpp's quantize_rows_uint8),
 // times the int8 codes w, through the Dequant epilogue: kernels/quant_linear.py's dynamic path
 // in one call.
 at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offset,
                              const at::Tensor& col_scale, const std::optional<at::Tensor>& bias,
                              int64_t hadamard) {
-  TORCH_CHECK(w.scalar_type() == at::kChar, "int8_linear_tiled: w must hold int8 codes");
+  check_int8_epilogue(w, offset, col_scale, "int8_linear_tiled");
   check_tiled(x, w, bias, "int8_linear_tiled");
-  const int64_t t = x.size(0), k = x.size(1), tiles = w.size(0), n = tiles * kTile;
-  TORCH_CHECK(offset.scalar_type() == at::kInt && offset.is_contiguous() && offset.numel() == n &&
-                  col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
-                  col_scale.numel() == n,
-              "int8_linear_tiled: offset [N] int32 and col_scale [N] float32, contiguous");
-  at::Tensor out = at::empty({t, n}, x.options());
-  if (t == 0) return out;
-#if defined(__AVX512VNNI__)
+  at::Tensor out = at::empty({x.size(0), w.size(0) * kTile}, x.options());
+  if (x.size(0) == 0) return out;
   static const auto quantize = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("pagedserve_cpu::quantize_rows_uint8", "")
                                    .typed<QuantizeRows>();
-  // The codes plus 128 (the I8 step's unsigned operand).
   const auto [q, row_scale] = quantize.call(x.stride(1) == 1 ? x : x.contiguous(), hadamard);
-  const uint8_t* codes = q.data_ptr<uint8_t>();
-  auto go = [&](auto* o) {
-    using E = std::remove_pointer_t<decltype(o)>;
-    run<I8>(codes, t, k, k, w.data_ptr<int8_t>(), tiles,
-            Dequant<E>{o, n, bias_ptr<E>(bias), offset.data_ptr<int32_t>(),
-                       col_scale.data_ptr<float>(), row_scale.data_ptr<float>()});
-  };
-  if (x.scalar_type() == at::kBFloat16) {
-    go(static_cast<uint16_t*>(out.data_ptr()));
-  } else {
-    go(out.data_ptr<float>());
-  }
-#endif
+  int8_matmul(q, row_scale, w, offset, col_scale, bias, out);
+  return out;
+}
+
+// int8_linear_tiled on rows already quantized (csrc/layers_cpu.cpp's *_quant ops, which
+// quantize the row they compute): codes [T, K] uint8 (plus 128), row_scale [T] float32, the
+// result in dtype.
+at::Tensor int8_linear_codes(const at::Tensor& codes, const at::Tensor& row_scale,
+                             const at::Tensor& w, const at::Tensor& offset,
+                             const at::Tensor& col_scale, const std::optional<at::Tensor>& bias,
+                             at::ScalarType dtype) {
+  check_int8_epilogue(w, offset, col_scale, "int8_linear_codes");
+  TORCH_CHECK(linear_tiled_dtypes() & 4, "int8_linear_codes: this build has no int8 kernel");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  w.is_contiguous() && w.dim() == 4 && codes.size(1) == w.size(1) * 4,
+              "int8_linear_codes: codes [T, K] uint8 contiguous against a tiled int8 weight");
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
+                  row_scale.numel() == codes.size(0),
+              "int8_linear_codes: row_scale [T] float32, contiguous");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "int8_linear_codes: dtype must be float32 or bfloat16");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == w.size(0) * kTile &&
+                                    bias->scalar_type() == dtype),
+              "int8_linear_codes: bias [N] in dtype, contiguous");
+  at::Tensor out = at::empty({codes.size(0), w.size(0) * kTile}, codes.options().dtype(dtype));
+  if (codes.size(0) > 0) int8_matmul(codes, row_scale, w, offset, col_scale, bias, out);
   return out;
 }
 
@@ -408,6 +449,9 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def("int8_linear_tiled(Tensor x, Tensor w, Tensor offset, Tensor col_scale, Tensor? bias, "
           "int hadamard=0) -> Tensor");
   lib.impl("int8_linear_tiled", c10::DispatchKey::CPU, int8_linear_tiled);
+  lib.def("int8_linear_codes(Tensor codes, Tensor row_scale, Tensor w, Tensor offset, "
+          "Tensor col_scale, Tensor? bias, ScalarType dtype) -> Tensor");
+  lib.impl("int8_linear_codes", c10::DispatchKey::CPU, int8_linear_codes);
   lib.def("linear_tiled_dtypes() -> int", linear_tiled_dtypes);
   lib.impl("linear_tiled", c10::DispatchKey::CPU, linear_tiled);
 }

@@ -38,14 +38,10 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "bf16.h"
+#include "quant_rows.h"
 #include "rows.h"
 
 namespace {
@@ -56,103 +52,10 @@ using pagedserve::grain_rows;
 using pagedserve::load;
 using pagedserve::ptr;
 using pagedserve::store;
-
-// 1.5 * 2^23: adding and subtracting it leaves a float of magnitude below 2^22 rounded to an
-// integer in the current (round-to-nearest-even) mode.
-constexpr float kRound = 12582912.f;
-
-// One row's codes: scale = max(amax / 127, FLT_MIN), code = clamp(round_even(x / scale)),
-// stored as int8 or, for Code = uint8_t, plus 128. Returns the scale.
-template <typename Code, typename S>
-float quantize_row(const S* __restrict xr, int64_t k, Code* __restrict qr) {
-  float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(load(xr[i])));
-  const float s = std::max(amax / 127.f, FLT_MIN);  // a zero row: codes 0, not 0 * inf
-  const float inv = 1.f / s;
-  constexpr int32_t bias = std::is_same_v<Code, uint8_t> ? 128 : 0;
-#pragma omp simd
-  for (int64_t i = 0; i < k; ++i) {
-    // round half to even by the float adder (|v| <= 127 here, far below 2^22), where
-    // nearbyint would be a library call per element
-    float v = (load(xr[i]) * inv + kRound) - kRound;
-    v = v > 127.f ? 127.f : v;
-    v = v < -127.f ? -127.f : v;
-    qr[i] = static_cast<Code>(static_cast<int32_t>(v) + bias);
-  }
-  return s;
-}
-
-// p, q <- p + q, p - q over n floats (two distinct runs of one row).
-inline void butterfly(float* __restrict p, float* __restrict q, int64_t n) {
-  for (int64_t c = 0; c < n; ++c) {
-    const float a = p[c], d = q[c];
-    p[c] = a + d;
-    q[c] = a - d;
-  }
-}
-
-#if defined(__AVX512F__)
-// Stages h0, 2 h0, ..., 2^(G-1) h0 of the transform of v [block, run], 16 columns at a time:
-// the 2^G view rows j = base + m h0 (m < 2^G) that those stages pair among themselves are held
-// in registers through all G stages, so the row buffer is read and written once per G stages
-// (the runs are short: 24 floats at K = 1536, block 64). Each element sees the same adds and
-// subtracts, in the same order, as stage by stage.
-template <int G>
-void stages_in_registers(float* v, int64_t block, int64_t run, int64_t h0) {
-  constexpr int span = 1 << G;
-  const int64_t group_bits = h0 * (span - 1);
-  for (int64_t c = 0; c < run; c += 16) {
-    const __mmask16 m =
-        run - c >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (run - c)) - 1);
-    for (int64_t base = 0; base < block; ++base) {
-      if (base & group_bits) continue;
-      __m512 r[span];
-      for (int i = 0; i < span; ++i) r[i] = _mm512_maskz_loadu_ps(m, v + (base + i * h0) * run + c);
-      for (int s = 1; s < span; s <<= 1) {
-        for (int i = 0; i < span; ++i) {
-          if (i & s) continue;
-          const __m512 a = r[i], d = r[i + s];
-          r[i] = _mm512_add_ps(a, d);
-          r[i + s] = _mm512_sub_ps(a, d);
-        }
-      }
-      for (int i = 0; i < span; ++i) _mm512_mask_storeu_ps(v + (base + i * h0) * run + c, m, r[i]);
-    }
-  }
-}
-#endif
-
-// v [K] <- hadamard_rows' transform of the row xr, unnormalised, in float32.
-template <typename T>
-void rotate_row(const T* __restrict xr, float* __restrict v, int64_t k, int64_t block) {
-  const int64_t run = k / block;  // the length of one row of the [block, K / block] view
-#pragma omp simd
-  for (int64_t i = 0; i < k; ++i) v[i] = load(xr[i]);
-#if defined(__AVX512F__)
-  for (int64_t h = 1; h < block; h *= 8) {
-    const int64_t left = block / h;  // 2^(stages left)
-    if (left >= 8) {
-      stages_in_registers<3>(v, block, run, h);
-    } else if (left == 4) {
-      stages_in_registers<2>(v, block, run, h);
-    } else {
-      stages_in_registers<1>(v, block, run, h);
-    }
-  }
-#else
-  for (int64_t h = 1; h < block; h *= 2) {  // each stage pairs view rows h apart
-    for (int64_t i = 0; i < block; i += 2 * h) {
-      for (int64_t j = i; j < i + h; ++j) butterfly(v + j * run, v + (j + h) * run, run);
-    }
-  }
-#endif
-}
-
-void check_block(int64_t k, int64_t block, const char* op) {
-  TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && k % block == 0, op,
-              ": block must be a power of two dividing K = ", k, ", got ", block);
-}
+using pagedserve::quant::check_block;
+using pagedserve::quant::hadamard_in_place;
+using pagedserve::quant::quantize_row;
+using pagedserve::quant::rotate_and_quantize;
 
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   check_rows(x, "x");
@@ -181,7 +84,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x, int6
   at::Tensor scale = at::empty({t}, x.options().dtype(at::kFloat));
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
-  const float norm = block > 0 ? 1.f / std::sqrt(static_cast<float>(block)) : 1.f;
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = ptr<T>(x);
@@ -194,10 +96,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x, int6
           sp[r] = quantize_row(xr, k, qp + r * k);
           continue;
         }
-        rotate_row(xr, v, k, block);
 #pragma omp simd
-        for (int64_t i = 0; i < k; ++i) v[i] = load(store<T>(v[i] * norm));
-        sp[r] = quantize_row(v, k, qp + r * k);
+        for (int64_t i = 0; i < k; ++i) v[i] = load(xr[i]);
+        sp[r] = rotate_and_quantize<T>(v, k, block, qp + r * k);
       }
     });
   });
@@ -250,7 +151,10 @@ at::Tensor hadamard_rows(const at::Tensor& x, int64_t block) {
       std::vector<float> buf(k);  // one row in float32
       float* v = buf.data();
       for (int64_t r = b; r < e; ++r) {
-        rotate_row(xp + r * xs, v, k, block);
+        const T* xr = xp + r * xs;
+#pragma omp simd
+        for (int64_t i = 0; i < k; ++i) v[i] = load(xr[i]);
+        hadamard_in_place(v, k, block);
         T* o = op + r * k;
 #pragma omp simd
         for (int64_t i = 0; i < k; ++i) o[i] = store<T>(v[i] * norm);

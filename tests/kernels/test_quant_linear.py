@@ -248,3 +248,46 @@ def test_tiled_int8_equals_the_unfused_dynamic_path(dtype, hadamard) -> None:
         codes, row_scale = quantize_rows_int8(xr)
         want = dequantize_int32(torch._int_mm(codes, q.qweight.t()), row_scale, q.col_scale, dtype)
         assert torch.equal(got, want), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [0, 64])
+def test_ops_that_quantize_the_row_they_compute(dtype, block) -> None:
+    """The norm and SiLU ops that hand an int8 projection its codes: each is its plain op
+    followed by quantize_rows_uint8, bit for bit (codes and scales), and the codes through
+    int8_linear_codes give int8_linear_tiled's result. quantize_rows_uint8 itself is
+    quantize_rows_int8 (after the compiled rotation) plus 128."""
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(block)
+    x = (torch.randn(9, 256, generator=g) * 3).to(dtype)
+    x[4] = 0.0  # a zero row: scale FLT_MIN, every code 128
+    rotated = hadamard_rows(x, block) if block else x
+    codes, scale = ops.quantize_rows_uint8(x, block)
+    want_codes, want_scale = quantize_rows_int8(rotated)
+    assert codes.dtype == torch.uint8
+    assert torch.equal(codes.int() - 128, want_codes.int()) and torch.equal(scale, want_scale)
+
+    residual = (torch.randn(9, 256, generator=g) * 2).to(dtype)
+    weight = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
+    r1, r2 = residual.clone(), residual.clone()
+    normed = ops.add_rms_norm_(r1, x, weight, 1e-5)
+    got = ops.add_rms_norm_quant_(r2, x, weight, 1e-5, block)
+    assert torch.equal(r1, r2)
+    want = ops.quantize_rows_uint8(normed, block)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    gate_up = (torch.randn(9, 512, generator=g) * 2).to(dtype)
+    got = ops.silu_and_mul_quant(gate_up, block)
+    want = ops.quantize_rows_uint8(ops.silu_and_mul(gate_up), block)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    if not tiles(torch.int8):
+        return
+    q = quantize_int8(torch.randn(64, 256, generator=g), hadamard=block)
+    fused = ops.int8_linear_codes(codes, scale, q.tiled, q.offset, q.col_scale, None, dtype)
+    assert torch.equal(fused, int8_linear(x, q))
+    with pytest.raises(RuntimeError, match="uint8"):
+        ops.int8_linear_codes(codes.to(torch.int8), scale, q.tiled, q.offset, q.col_scale, None,
+                              dtype)
+    with pytest.raises(RuntimeError, match="power of two"):
+        ops.silu_and_mul_quant(gate_up, 3)
