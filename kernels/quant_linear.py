@@ -6,8 +6,11 @@ Two layouts, each on CPU kernels with a pure-torch reference beside it:
   [-127, 127], s = max|W[n, :]| / 127. Where the build has AVX512-VNNI and the shape tiles,
   a weight that may take dynamic activations is held in the tiled layout of
   ``kernels.linear`` and runs ``csrc/linear_cpu.cpp``'s ``int8_linear_tiled`` at every row
-  count: the dynamic path below fused into one call (the row quantization, vpdpbusd's exact
-  int32 sums, the scales), its result the unfused path's bit for bit. At one row it reads
+  count: the dynamic path below fused into one call (the online rotation and the row
+  quantization in one pass a row, vpdpbusd's exact int32 sums, the scales), its result the
+  unfused path's bit for bit. The compiled decoder layer goes one step further: the norm or
+  SiLU before such a projection quantizes the row it computes (``csrc/layers_cpu.cpp``'s
+  ``*_quant`` ops) and the matmul takes the codes (``int8_linear_codes``). At one row it reads
   half of bf16's bytes, and at a batch it issues half of bf16's multiply-add instructions
   (vpdpbusd sums 64 products where vdpbf16ps sums 32;
   ``benchmarks/scripts/int8_linear.py`` measures both, ``docs/results/performance.md``
