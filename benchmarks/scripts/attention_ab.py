@@ -15,9 +15,13 @@ step reads 190 MB of K and V, far more than the last-level cache, so it measures
 a forward pass sees it, its cache reads coming from memory; at N = 1 the same few MB stay in
 cache from call to call.
 
+A step's blocks are consecutive in the pool by default; ``--scatter`` hands them out in a
+random order instead, as a pool does once sequences have grown block by block side by side.
+
     python benchmarks/scripts/attention_ab.py --baseline HEAD~1
     python benchmarks/scripts/attention_ab.py --baseline HEAD~1 --threads 2 --layers 30
     python benchmarks/scripts/attention_ab.py --baseline HEAD~1 --threads 2 --dtype float32
+    python benchmarks/scripts/attention_ab.py --baseline HEAD --threads 2 --layers 30 --scatter
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=150)
     ap.add_argument("--layers", type=int, default=1,
                     help="caches per step, one per layer, run in turn by each timed call")
+    ap.add_argument("--scatter", action="store_true",
+                    help="the step's blocks in a random order in the pool, not consecutive")
     args = ap.parse_args()
     base_text = subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], cwd=REPO,
                                check=True, capture_output=True, text=True).stdout
@@ -67,8 +73,9 @@ def main() -> None:
                "working tree": build_revision((REPO / SOURCE).read_text(), "pa_working", include,
                                               tmp).paged_attention}
         print(f"baseline {args.baseline}, {args.dtype}, heads {hq}/{hkv}x{d}, threads "
-              f"{args.threads}, {args.layers} layer(s) a call, median of {args.reps} alternated "
-              "calls, per layer\n")
+              f"{args.threads}, {args.layers} layer(s) a call, blocks "
+              f"{'scattered' if args.scatter else 'consecutive'}, median of {args.reps} "
+              "alternated calls, per layer\n")
         print("| step | baseline (us) | working tree (us) | baseline / working tree "
               "| max output difference |")
         print("|---|---|---|---|---|")
@@ -79,7 +86,8 @@ def main() -> None:
             g = torch.Generator().manual_seed(s * 1000 + ctx)
             caches = [torch.randn(s * per + 1, 2, bs, hkv, d, generator=g).to(dtype)
                       for _ in range(args.layers)]
-            table = torch.arange(s * per, dtype=torch.int32).view(s, per) + 1
+            order = torch.randperm(s * per, generator=g) if args.scatter else torch.arange(s * per)
+            table = order.to(torch.int32).view(s, per).contiguous() + 1  # block 0: the null block
             q = torch.randn(s, hq, d, generator=g).to(dtype)
             cu = torch.arange(s + 1, dtype=torch.int32)
             lens = torch.full((s,), ctx + 1, dtype=torch.int32)
