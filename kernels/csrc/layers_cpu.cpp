@@ -58,6 +58,7 @@ using pagedserve::load;
 using pagedserve::ptr;
 using pagedserve::store;
 using pagedserve::quant::check_block;
+using pagedserve::quant::empty_codes;
 using pagedserve::quant::rotate_and_quantize;
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
@@ -162,8 +163,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_quant_(at::Tensor& residual, con
   check_add_args(residual, x, weight, "add_rms_norm_quant_");
   const int64_t t = x.size(0), h = x.size(1);
   if (block > 0) check_block(h, block, "add_rms_norm_quant_");
-  at::Tensor q = at::empty({t, h}, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty({t}, x.options().dtype(at::kFloat));
+  auto [q, scale] = empty_codes(x, t, h, at::kByte);
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
   add_rows_(residual, x, weight, grain_rows(2 * h),
@@ -284,8 +284,7 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor& x, int64
   check_silu_args(x, "silu_and_mul_quant");
   const int64_t t = x.size(0), n = x.size(-1) / 2;
   if (block > 0) check_block(n, block, "silu_and_mul_quant");
-  at::Tensor q = at::empty({t, n}, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty({t}, x.options().dtype(at::kFloat));
+  auto [q, scale] = empty_codes(x, t, n, at::kByte);
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
   silu_rows(x, [&](int64_t r, auto* g, auto* u, int64_t n) {

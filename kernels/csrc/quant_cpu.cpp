@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -53,37 +54,24 @@ using pagedserve::load;
 using pagedserve::ptr;
 using pagedserve::store;
 using pagedserve::quant::check_block;
+using pagedserve::quant::empty_codes;
 using pagedserve::quant::hadamard_in_place;
 using pagedserve::quant::quantize_row;
 using pagedserve::quant::rotate_and_quantize;
 
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+// Both quantizing ops: x rotated in blocks of `block` (0: not), then quantized per row into
+// codes of type Code (uint8_t: plus 128).
+template <typename Code>
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block,
+                                                 const char* op) {
   check_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2, "quantize_rows_int8: x [T, K]");
+  TORCH_CHECK(x.dim() == 2, op, ": x [T, K]");
   const int64_t t = x.size(0), k = x.size(1), xs = x.stride(0);
-  at::Tensor q = at::empty({t, k}, x.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({t}, x.options().dtype(at::kFloat));
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
-  dispatch(x, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = ptr<T>(x);
-    at::parallel_for(0, t, grain_rows(2 * k), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) sp[r] = quantize_row(xp + r * xs, k, qp + r * k);
-    });
-  });
-  return {q, scale};
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x, int64_t block) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2, "quantize_rows_uint8: x [T, K]");
-  const int64_t t = x.size(0), k = x.size(1), xs = x.stride(0);
-  if (block > 0) check_block(k, block, "quantize_rows_uint8");
-  at::Tensor q = at::empty({t, k}, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty({t}, x.options().dtype(at::kFloat));
-  uint8_t* qp = q.data_ptr<uint8_t>();
-  float* sp = scale.data_ptr<float>();
+  if (block > 0) check_block(k, block, op);
+  auto [q, scale] =
+      empty_codes(x, t, k, std::is_same_v<Code, uint8_t> ? at::kByte : at::kChar);
+  Code* qp = static_cast<Code*>(q.data_ptr());
+  float* sp = static_cast<float*>(scale.data_ptr());
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = ptr<T>(x);
@@ -103,6 +91,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x, int6
     });
   });
   return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  return quantize_rows<int8_t>(x, 0, "quantize_rows_int8");
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x, int64_t block) {
+  return quantize_rows<uint8_t>(x, block, "quantize_rows_uint8");
 }
 
 at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale,

@@ -8,12 +8,15 @@
 // the codes are then the same bit for bit whichever op produced them.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 #if defined(__AVX512F__)
@@ -49,6 +52,14 @@ float quantize_row(const S* __restrict xr, int64_t k, Code* __restrict qr) {
     qr[i] = static_cast<Code>(static_cast<int32_t>(v) + bias);
   }
   return s;
+}
+
+// A quantizing op's outputs for t rows of k: the codes (int8, or uint8 for codes plus 128) and
+// the row scales in float32.
+inline std::tuple<at::Tensor, at::Tensor> empty_codes(const at::Tensor& like, int64_t t, int64_t k,
+                                                      at::ScalarType code) {
+  return {at::empty({t, k}, like.options().dtype(code)),
+          at::empty({t}, like.options().dtype(at::kFloat))};
 }
 
 inline void check_block(int64_t k, int64_t block, const char* op) {
@@ -121,10 +132,10 @@ inline void hadamard_in_place(float* v, int64_t k, int64_t block) {
 }
 
 // The row v [K] (float32, each element a value of T) rotated in blocks of `block` (0: not) and
-// rounded back to T, as hadamard_rows' output is, then quantized into q as codes plus 128.
+// rounded back to T, as hadamard_rows' output is, then quantized into q (quantize_row's codes).
 // Returns the row's scale. v is scratch.
-template <typename T>
-float rotate_and_quantize(float* v, int64_t k, int64_t block, uint8_t* q) {
+template <typename T, typename Code>
+float rotate_and_quantize(float* v, int64_t k, int64_t block, Code* q) {
   if (block > 0) {
     hadamard_in_place(v, k, block);
     const float norm = 1.f / std::sqrt(static_cast<float>(block));
