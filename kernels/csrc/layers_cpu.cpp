@@ -40,7 +40,6 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
-#include <vector>
 
 #include "bf16.h"
 #include "quant_rows.h"
@@ -108,10 +107,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// The residual add of a decoder layer fused into the norm that follows it: one pass adds the
-// sublayer's output into the residual stream (in place, rounded to its dtype as the reference's
-// out-of-place add would be) and hands the sum to row(r, summed row, norm weight) while it is
-// in cache; row runs on the parallel loop's threads.
 void check_add_args(const at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
                     const char* op) {
   check_norm_args(residual, weight);
@@ -121,6 +116,10 @@ void check_add_args(const at::Tensor& residual, const at::Tensor& x, const at::T
               op, ": x and residual must both be [T, H]");
 }
 
+// The residual add of a decoder layer fused into the norm that follows it: one pass adds the
+// sublayer's output into the residual stream (in place, rounded to its dtype as the reference's
+// out-of-place add would be) and hands the sum to row(r, summed row, norm weight) while it is
+// in cache; row runs on the parallel loop's threads.
 template <typename Row>
 void add_rows_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
                int64_t grain, Row&& row) {
@@ -147,9 +146,10 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   check_add_args(residual, x, weight, "add_rms_norm_");
   const int64_t h = x.size(1);
   at::Tensor out = at::empty({x.size(0), h}, x.options());
+  void* op = out.data_ptr();
   add_rows_(residual, x, weight, grain_rows(h), [&](int64_t r, auto* rr, auto* wp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(rr)>>;
-    norm_row(rr, wp, h, eps, ptr<T>(out) + r * h);
+    norm_row(rr, wp, h, eps, static_cast<T*>(op) + r * h);
   });
   return out;
 }
@@ -166,14 +166,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_quant_(at::Tensor& residual, con
   auto [q, scale] = empty_codes(x, t, h, at::kByte);
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
-  add_rows_(residual, x, weight, grain_rows(2 * h),
-            [&](int64_t r, auto* rr, auto* wp) {
-              using T = std::remove_const_t<std::remove_pointer_t<decltype(rr)>>;
-              thread_local std::vector<float> buf;  // the normed row in float32
-              buf.resize(h);
-              norm_row(rr, wp, h, eps, buf.data());
-              sp[r] = rotate_and_quantize<T>(buf.data(), h, block, qp + r * h);
-            });
+  add_rows_(residual, x, weight, grain_rows(2 * h), [&](int64_t r, auto* rr, auto* wp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(rr)>>;
+    sp[r] = rotate_and_quantize<T>(h, block, qp + r * h,
+                                   [&](float* v) { norm_row(rr, wp, h, eps, v); });
+  });
   return {q, scale};
 }
 
@@ -250,12 +247,12 @@ inline void silu_row(const T* __restrict g, const T* __restrict u, int64_t n, O*
   }
 }
 
-// The parallel loop of the two SiLU ops: row(r, gate row, up row, n).
 void check_silu_args(const at::Tensor& x, const char* op) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, op, ": x [T, 2I]");
 }
 
+// The parallel loop of the two SiLU ops: row(r, gate row, up row, n).
 template <typename Row>
 void silu_rows(const at::Tensor& x, Row&& row) {
   const int64_t t = x.size(0), n = x.size(1) / 2, xs = x.stride(0);
@@ -271,9 +268,10 @@ void silu_rows(const at::Tensor& x, Row&& row) {
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_silu_args(x, "silu_and_mul");
   at::Tensor out = at::empty({x.size(0), x.size(-1) / 2}, x.options());
+  void* op = out.data_ptr();
   silu_rows(x, [&](int64_t r, auto* g, auto* u, int64_t n) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
-    silu_row(g, u, n, ptr<T>(out) + r * n);
+    silu_row(g, u, n, static_cast<T*>(op) + r * n);
   });
   return out;
 }
@@ -289,10 +287,7 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor& x, int64
   float* sp = scale.data_ptr<float>();
   silu_rows(x, [&](int64_t r, auto* g, auto* u, int64_t n) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
-    thread_local std::vector<float> buf;  // the row in float32
-    buf.resize(n);
-    silu_row(g, u, n, buf.data());
-    sp[r] = rotate_and_quantize<T>(buf.data(), n, block, qp + r * n);
+    sp[r] = rotate_and_quantize<T>(n, block, qp + r * n, [&](float* v) { silu_row(g, u, n, v); });
   });
   return {q, scale};
 }

@@ -312,9 +312,10 @@ int64_t dtype_bit(at::ScalarType w) {
   return w == at::kFloat ? 1 : w == at::kBFloat16 ? 2 : w == at::kChar ? 4 : 0;
 }
 
-// The checks both ops share: x [T, K] against a tiled weight of `per_step` k per step.
-void check_tiled(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                 const char* op) {
+// The checks every tiled op shares: w a contiguous tiled weight this build serves, for rows of
+// k columns, and the bias [N] in the output's dtype.
+void check_tiled_weight(const at::Tensor& w, int64_t k, at::ScalarType out_dtype,
+                        const std::optional<at::Tensor>& bias, const char* op) {
   TORCH_CHECK(linear_tiled_dtypes() & dtype_bit(w.scalar_type()), op,
               ": this build has no tiled kernel for ", w.scalar_type());
   // k per step of the K loop: the layout's last dim (float32 has none)
@@ -323,13 +324,19 @@ void check_tiled(const at::Tensor& x, const at::Tensor& w, const std::optional<a
   TORCH_CHECK(w.is_contiguous() && w.dim() == (per_step == 1 ? 3 : 4) && w.size(2) == kTile &&
                   (per_step == 1 || w.size(3) == per_step),
               op, ": w must be a contiguous tiled weight");
+  TORCH_CHECK(w.size(1) * per_step == k, op, ": the input has ", k, " columns, the weight ",
+              w.size(1) * per_step);
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == w.size(0) * kTile &&
+                                    bias->scalar_type() == out_dtype),
+              op, ": bias [N] in the output's dtype, contiguous");
+}
+
+// x [T, K] float32 or bf16 against a tiled weight.
+void check_tiled(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                 const char* op) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x [T, K] float32 or bfloat16");
-  TORCH_CHECK(w.size(1) * per_step == x.size(1), op, ": x has ", x.size(1),
-              " columns, the weight ", w.size(1) * per_step);
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == w.size(0) * kTile &&
-                                    bias->scalar_type() == x.scalar_type()),
-              op, ": bias [N] in x's dtype, contiguous");
+  check_tiled_weight(w, x.size(1), x.scalar_type(), bias, op);
 }
 
 template <class T>
@@ -425,18 +432,14 @@ at::Tensor int8_linear_codes(const at::Tensor& codes, const at::Tensor& row_scal
                              const at::Tensor& col_scale, const std::optional<at::Tensor>& bias,
                              at::ScalarType dtype) {
   check_int8_epilogue(w, offset, col_scale, "int8_linear_codes");
-  TORCH_CHECK(linear_tiled_dtypes() & 4, "int8_linear_codes: this build has no int8 kernel");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  w.is_contiguous() && w.dim() == 4 && codes.size(1) == w.size(1) * 4,
-              "int8_linear_codes: codes [T, K] uint8 contiguous against a tiled int8 weight");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "int8_linear_codes: codes [T, K] uint8, contiguous");
   TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
                   row_scale.numel() == codes.size(0),
               "int8_linear_codes: row_scale [T] float32, contiguous");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "int8_linear_codes: dtype must be float32 or bfloat16");
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == w.size(0) * kTile &&
-                                    bias->scalar_type() == dtype),
-              "int8_linear_codes: bias [N] in dtype, contiguous");
+  check_tiled_weight(w, codes.size(1), dtype, bias, "int8_linear_codes");
   at::Tensor out = at::empty({codes.size(0), w.size(0) * kTile}, codes.options().dtype(dtype));
   if (codes.size(0) > 0) int8_matmul(codes, row_scale, w, offset, col_scale, bias, out);
   return out;

@@ -76,17 +76,16 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t bl
     using T = decltype(tag);
     const T* xp = ptr<T>(x);
     at::parallel_for(0, t, grain_rows((block > 0 ? 4 : 2) * k), [&](int64_t b, int64_t e) {
-      std::vector<float> buf(block > 0 ? k : 0);  // one rotated row in float32
-      float* v = buf.data();
       for (int64_t r = b; r < e; ++r) {
         const T* xr = xp + r * xs;
-        if (block == 0) {
+        if (block == 0) {  // read in place: nothing to rotate
           sp[r] = quantize_row(xr, k, qp + r * k);
           continue;
         }
+        sp[r] = rotate_and_quantize<T>(k, block, qp + r * k, [&](float* v) {
 #pragma omp simd
-        for (int64_t i = 0; i < k; ++i) v[i] = load(xr[i]);
-        sp[r] = rotate_and_quantize<T>(v, k, block, qp + r * k);
+          for (int64_t i = 0; i < k; ++i) v[i] = load(xr[i]);
+        });
       }
     });
   });

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -131,11 +132,16 @@ inline void hadamard_in_place(float* v, int64_t k, int64_t block) {
 #endif
 }
 
-// The row v [K] (float32, each element a value of T) rotated in blocks of `block` (0: not) and
-// rounded back to T, as hadamard_rows' output is, then quantized into q (quantize_row's codes).
-// Returns the row's scale. v is scratch.
-template <typename T, typename Code>
-float rotate_and_quantize(float* v, int64_t k, int64_t block, Code* q) {
+// A row of k that fill(v) writes into a float32 buffer v (each element a value of T), rotated in
+// blocks of `block` (0: not) and rounded back to T, as hadamard_rows' output is, then quantized
+// into q (quantize_row's codes). Returns the row's scale. The buffer is the calling thread's
+// own, kept from row to row.
+template <typename T, typename Code, typename Fill>
+float rotate_and_quantize(int64_t k, int64_t block, Code* q, Fill&& fill) {
+  thread_local std::vector<float> buf;
+  buf.resize(k);
+  float* v = buf.data();
+  fill(v);
   if (block > 0) {
     hadamard_in_place(v, k, block);
     const float norm = 1.f / std::sqrt(static_cast<float>(block));

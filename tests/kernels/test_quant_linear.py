@@ -280,6 +280,12 @@ def test_ops_that_quantize_the_row_they_compute(dtype, block) -> None:
     got = ops.silu_and_mul_quant(gate_up, block)
     want = ops.quantize_rows_uint8(ops.silu_and_mul(gate_up), block)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match="power of two"):
+        ops.silu_and_mul_quant(gate_up, 3)
+    with pytest.raises(RuntimeError, match="power of two"):
+        ops.add_rms_norm_quant_(residual.clone(), x, weight, 1e-5, 3)
+    with pytest.raises(RuntimeError, match=r"\[T, H\]"):
+        ops.add_rms_norm_quant_(residual[:4].clone(), x, weight, 1e-5, block)
 
     if not tiles(torch.int8):
         return
@@ -289,5 +295,6 @@ def test_ops_that_quantize_the_row_they_compute(dtype, block) -> None:
     with pytest.raises(RuntimeError, match="uint8"):
         ops.int8_linear_codes(codes.to(torch.int8), scale, q.tiled, q.offset, q.col_scale, None,
                               dtype)
-    with pytest.raises(RuntimeError, match="power of two"):
-        ops.silu_and_mul_quant(gate_up, 3)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.int8_linear_codes(codes[:, :128].contiguous(), scale, q.tiled, q.offset, q.col_scale,
+                              None, dtype)
