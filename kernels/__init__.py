@@ -4,14 +4,12 @@ The un-prefixed names dispatch on the device of their tensors: CUDA tensors go t
 kernels (falling back to the torch reference, which runs on any device, for shapes or dtypes the
 kernels do not support, e.g. a head dim that is not a power of two or float64); float32 and
 bfloat16 on CPU go to the compiled kernels of ``kernels.cpu`` (without context parallelism, once
-built; q, out and the cache of one dtype, as the torch path requires);
-everything else goes to the torch reference. ``triton_*`` and ``*_ref`` pick an implementation
-explicitly (the tests run both on CPU, Triton through ``TRITON_INTERPRET=1``).
+built); everything else goes to the torch reference. ``triton_*`` and ``*_ref`` pick an
+implementation explicitly (the tests run both on CPU, Triton through ``TRITON_INTERPRET=1``).
 
 A KV cache of its own dtype (``kv_quant``: bfloat16 or scaled fp8 under a float32 model, fp8
-under a bf16 one) is quantized on write and widened on read by the Triton kernels and the torch
-reference. The compiled CPU kernels take the model's dtype only, so such a cache routes the CPU
-to the torch reference (the worker logs it once).
+under a bf16 one) is quantized on write and widened on read by every implementation: the Triton
+kernels, the compiled CPU kernels and the torch reference.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import torch
 
 from pagedserve.kernels._checks import (
     TRITON_FLOAT_DTYPES,
+    check_kv_scales,
     check_paged_attention,
     check_reshape_and_cache,
 )
@@ -69,6 +68,13 @@ def _one_dtype(*tensors: torch.Tensor) -> bool:
     return len({t.dtype for t in tensors}) == 1
 
 
+def _compiled_cache(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernels take this cache under activations like ``x``: of their
+    dtype, or of a KV storage dtype (``kv_quant``)."""
+    return (kv_cache.device.type == "cpu"
+            and (kv_cache.dtype == x.dtype or kv_cache.dtype in KV_STORAGE_DTYPES))
+
+
 def _cached_plan(
     plans: dict[tuple, AttentionPlan], q: torch.Tensor, kv_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -97,13 +103,12 @@ def reshape_and_cache(
     scales; see ``reshape_and_cache_ref``."""
     if _use_triton(key):
         triton_reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
-    elif (_one_dtype(key, value, kv_cache) and k_scale == 1.0 == v_scale
-          and compiled_for(key, value, kv_cache)):
-        # The compiled write copies in the model's dtype: a cache of another dtype (or scaled)
-        # takes the torch reference, which quantizes.
+    elif (_one_dtype(key, value) and compiled_for(key, value)
+          and _compiled_cache(key, kv_cache)):
         try:  # checked by the kernel; the typed error as above
-            cpu_ops().reshape_and_cache(key, value, kv_cache, slot_mapping)
+            cpu_ops().reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
         except RuntimeError:
+            check_kv_scales(k_scale, v_scale)
             check_reshape_and_cache(key, value, kv_cache, slot_mapping)
             raise
     else:
@@ -136,10 +141,8 @@ def paged_attention(
                                       softmax_scale, sliding_window=sliding_window, cp=cp,
                                       return_lse=return_lse, num_kv_splits=num_kv_splits,
                                       k_scale=k_scale, v_scale=v_scale)
-    # The compiled kernel reads K/V in q's dtype, unscaled: a KV cache of its own dtype goes to
-    # the torch reference below, which widens and scales on read.
-    native_kv = _one_dtype(q, kv_cache, out) and k_scale == 1.0 == v_scale
-    if cp.size == 1 and native_kv and compiled_for(q, kv_cache, out):
+    if (cp.size == 1 and _one_dtype(q, out) and compiled_for(q, out)
+            and _compiled_cache(q, kv_cache)):
         # Prefill chunks too: the kernel's vectorised path is 1.3-2.5x the torch path's
         # batched GEMMs on a 128-512-token prefill (SmolLM2 and llama-22m shapes, float32 and
         # bf16). The kernel checks its arguments itself (a Python check per layer costs more
@@ -147,8 +150,10 @@ def paged_attention(
         # check the other paths run, once something is wrong.
         try:
             return cpu_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
-                                       softmax_scale, sliding_window, return_lse)
+                                       softmax_scale, sliding_window, return_lse, k_scale,
+                                       v_scale)
         except RuntimeError:
+            check_kv_scales(k_scale, v_scale)
             check_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                   softmax_scale, sliding_window, cp)
             raise

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "quant_cpu.cpp",
                               "decoder_layer_cpu.cpp", "linear_cpu.cpp", "vec_exp.h", "bf16.h",
-                              "rows.h", "keys16.h", "linear_steps.h", "quant_rows.h"))
+                              "rows.h", "keys16.h", "linear_steps.h", "quant_rows.h", "fp8.h"))
 _LIB = "pagedserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 
@@ -111,7 +111,7 @@ def compiled_for(*tensors: torch.Tensor) -> bool:
 
 def cpu_paged_attention(
     q: torch.Tensor,  # [T_q, H_q, D] float32 or bfloat16, unit stride in D
-    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D] q's dtype or bfloat16, contiguous
+    kv_cache: torch.Tensor,  # [num_blocks, 2, B, H_kv, D] q's dtype, bf16 or fp8, contiguous
     out: torch.Tensor,  # [T_q, H_q, D] q's dtype, unit stride in D; written
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
@@ -119,6 +119,8 @@ def cpu_paged_attention(
     softmax_scale: float,
     sliding_window: int | None,
     return_lse: bool,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """``paged_attention_ref``'s semantics without context parallelism, through the compiled
     kernel (the caller has checked :func:`cpu_ops`). Returns the LSE ``[T_q, H_q]`` if asked."""
@@ -127,7 +129,8 @@ def cpu_paged_attention(
            if return_lse else torch.empty(0, dtype=torch.float32))
     bad = ops.paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens,
                               block_table.contiguous(), float(softmax_scale),
-                              -1 if sliding_window is None else int(sliding_window), lse)
+                              -1 if sliding_window is None else int(sliding_window),
+                              float(k_scale), float(v_scale), lse)
     if bad >= 0:
         q_len = int(cu_seqlens_q[bad + 1] - cu_seqlens_q[bad])
         raise KernelArgumentError(

@@ -90,22 +90,25 @@ def decoder_layer(
     x: torch.Tensor,  # [T, H]
     residual: torch.Tensor | None,  # [T, H]; None: x starts the residual stream
     positions: torch.Tensor,  # [T] int64
-    kv_cache: torch.Tensor,  # [NB, 2, B, Hkv, D], the model's dtype
+    kv_cache: torch.Tensor,  # [NB, 2, B, Hkv, D], the model's dtype or a KV storage dtype
     slot_mapping: torch.Tensor,  # [T]
     cu_seqlens_q: torch.Tensor,  # [S + 1] int32
     seq_lens: torch.Tensor,  # [S] int32
     block_table: torch.Tensor,  # [S, max_blocks] int32
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(MLP output, residual stream) [T, H] each, as ``LlamaDecoderLayer.forward`` returns them.
     The caller has checked that the compiled library serves this layer (CPU, float32 or bf16
-    throughout, a KV cache of the model's dtype, no long float32 prefill rows)."""
+    throughout, a KV cache of that dtype or of ``kv_quant.KV_STORAGE_DTYPES`` with its
+    scales)."""
     try:
         return cpu_ops().decoder_layer(
             x, residual, positions, w.cos, w.sin, w.input_norm, w.post_norm, w.eps,
             list(w.linears), list(w.kinds), list(w.hadamard), WEIGHT_ONLY_ROWS, GROUP_SIZE,
             w.qkv_bias, w.num_heads, w.num_kv_heads, kv_cache,
             slot_mapping, cu_seqlens_q, seq_lens, block_table, w.scale,
-            -1 if w.sliding_window is None else w.sliding_window)
+            -1 if w.sliding_window is None else w.sliding_window, k_scale, v_scale)
     except RuntimeError as exc:  # the kernels' own checks; typed as the modules' errors are
         raise KernelArgumentError(str(exc).splitlines()[0]) from exc
 

@@ -35,10 +35,7 @@ def log_kv_cache_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype,
     if kv_dtype == model_dtype:
         log.info("KV cache dtype %s (the model's, %d bytes per element)", kv_dtype, size)
         return
-    if device.type == "cpu":
-        path = ("the compiled CPU kernels take the model dtype only, so the cache write and "
-                "attention run the torch reference path (quantize on write, widen on read)")
-    else:
-        path = "the Triton kernels quantize on write and widen on read"
+    kernels = "the compiled CPU kernels" if device.type == "cpu" else "the Triton kernels"
+    path = f"{kernels} quantize on write and widen on read"
     log.info("KV cache dtype %s (%d bytes per element) under a %s model: %s",
              kv_dtype, size, model_dtype, path)

@@ -12,6 +12,7 @@ new tokens after ``--context`` cached tokens (a speculative step: its last token
     python benchmarks/scripts/layer_step.py --model llama-22m --dtype float32 --out FILE.md
     python benchmarks/scripts/layer_step.py --profile   # also: each shape's operators, by time
     python benchmarks/scripts/layer_step.py --quantization int8
+    python benchmarks/scripts/layer_step.py --kv-cache-dtype fp8_e4m3   # the cache's own dtype
 
 ``--profile`` adds, per shape, torch.profiler's self time per operator over five forward passes
 through the compiled layers (the matmuls, paged attention and the pointwise kernels each show
@@ -30,8 +31,10 @@ import torch
 
 from pagedserve.benchmarks.report import emit_table
 from pagedserve.kernels.cpu import cpu_ops
+from pagedserve.kernels.kv_quant import quantize_kv, scale_from_amax
 from pagedserve.parallel.state import ParallelState
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
+from pagedserve.workers.kv_dtype import resolve_kv_cache_dtype
 from pagedserve.workers.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,6 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
     ap.add_argument("--profile", action="store_true", help="each shape's operators, by time")
     ap.add_argument("--quantization", default="none", help="the engine's quantization option")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3"])
     args = ap.parse_args()
     if cpu_ops() is None:
         sys.exit("the compiled CPU kernels did not build")
@@ -83,10 +87,15 @@ def main() -> None:
     most = max(n if k == "decode" else 1 for k, n in shapes)
     blocks = most * -(-(args.context + max(n for _, n in shapes)) // BLOCK) + 1
     d = arch.head_dim
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     for layer in layers.layers:
         attn = layer.self_attn.attn
-        attn.kv_cache = torch.randn(blocks, 2, BLOCK, attn.num_kv_heads, d).to(dtype)
+        kv = torch.randn(blocks, 2, BLOCK, attn.num_kv_heads, d)
+        scale = scale_from_amax(float(kv.abs().max())) if kv_dtype.itemsize == 1 else 1.0
+        attn.kv_cache = quantize_kv(kv.to(dtype), kv_dtype, scale)
+        attn.k_scale = attn.v_scale = scale
     rows = [f"model `{args.model}`, {args.dtype}, quantization {args.quantization}, "
+            f"KV cache {kv_dtype}, "
             f"{sum(w is not None for w in fused)} of {len(fused)} layers qualify, torch threads "
             f"{torch.get_num_threads()}, context {args.context}; median of {args.reps} "
             "alternated calls", "",

@@ -18,15 +18,16 @@
 //                 weight_only_rows, group_size (the quantized kernels' settings),
 //                 qkv_bias [Q+2K] or None, num_heads, num_kv_heads,
 //                 kv_cache [NB, 2, B, Hkv, D], slot_mapping [T], cu_seqlens_q [S+1],
-//                 seq_lens [S], block_table [S, max_blocks], scale, window (-1: none))
+//                 seq_lens [S], block_table [S, max_blocks], scale, window (-1: none),
+//                 k_scale, v_scale (the cache's scales, kernels/kv_quant.py))
 //       -> (mlp_out [T, H], residual [T, H])
 //
 // As in the modules, the residual add of this layer's attention output happens inside the
 // second norm, and the MLP output is left for the next layer's first norm to add. Without a
 // residual (the first layer) x starts the residual stream and is updated in place later.
-// Every tensor is float32 or bfloat16 alike (cos/sin float32); the caller decides eligibility
-// (one rank, a KV cache of the model's dtype, no long float32 prefill rows;
-// workers/models/fused_layers.py).
+// Every tensor is float32 or bfloat16 alike (cos/sin float32; the KV cache may be a bf16 or
+// scaled e4m3 one, as the cache write and attention take it); the caller decides eligibility
+// (one rank, no long float32 prefill rows; workers/models/fused_layers.py).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -56,10 +57,10 @@ using Int8LinearCodes = at::Tensor(const at::Tensor&, const at::Tensor&, const a
                                    const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, at::ScalarType);
 using ReshapeAndCache = void(const at::Tensor&, const at::Tensor&, at::Tensor&,
-                             const at::Tensor&);
+                             const at::Tensor&, double, double);
 using PagedAttention = int64_t(const at::Tensor&, const at::Tensor&, at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                               int64_t, at::Tensor&);
+                               int64_t, double, double, at::Tensor&);
 using QuantizeRows = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
 using HadamardRows = at::Tensor(const at::Tensor&, int64_t);
 using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -165,7 +166,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const std::optional<at::Tensor>& qkv_bias,
     int64_t num_heads, int64_t num_kv_heads, at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-    const at::Tensor& block_table, double scale, int64_t window) {
+    const at::Tensor& block_table, double scale, int64_t window, double k_scale,
+    double v_scale) {
   TORCH_CHECK(kinds.size() == 4 && hadamard.size() == 4,
               "decoder_layer: four projections: qkv, o, gate_up, down");
   const at::Tensor* w[4];  // each projection's first tensor in `weights`
@@ -209,11 +211,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, d});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, d});
   auto [qr, kr] = o.rotary.call(q, k, positions, cos, sin);  // contiguous
-  o.reshape_and_cache.call(kr, v, kv_cache, slot_mapping);
+  o.reshape_and_cache.call(kr, v, kv_cache, slot_mapping, k_scale, v_scale);
   at::Tensor out = at::empty_like(qr);
   at::Tensor no_lse = at::empty({0}, x.options().dtype(at::kFloat));
   const int64_t bad = o.paged_attention.call(qr, kv_cache, out, cu_seqlens_q, seq_lens,
-                                             block_table, scale, window, no_lse);
+                                             block_table, scale, window, k_scale, v_scale,
+                                             no_lse);
   TORCH_CHECK(bad < 0, "decoder_layer: sequence ", bad,
               " does not fit its block-table row or the pool");
   const at::Tensor attn = project(out.view({t, q_size}), 1, std::nullopt);
@@ -240,7 +243,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
       "int[] hadamard, int weight_only_rows, int group_size, "
       "Tensor? qkv_bias, int num_heads, int num_kv_heads, Tensor(c!) kv_cache, "
       "Tensor slot_mapping, Tensor cu_seqlens_q, Tensor seq_lens, Tensor block_table, "
-      "float scale, int window) -> (Tensor, Tensor)");
+      "float scale, int window, float k_scale, float v_scale) -> (Tensor, Tensor)");
   // A float32 weight packed by oneDNN is an MKLDNN tensor: the call then dispatches on it.
   lib.impl("decoder_layer", c10::DispatchKey::CPU, decoder_layer);
   lib.impl("decoder_layer", c10::DispatchKey::MkldnnCPU, decoder_layer);

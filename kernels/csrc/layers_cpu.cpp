@@ -13,11 +13,12 @@
 //                                                       quantized for an int8 matmul as it is
 //                                                       computed: quantize_rows_uint8 of the
 //                                                       output (csrc/quant_cpu.cpp) bit for bit
-//   reshape_and_cache(key, value [T, Hkv, D], kv_cache [NB, 2, B, Hkv, D], slots [T])
-//                                                       slot < 0: skipped
+//   reshape_and_cache(key, value [T, Hkv, D], kv_cache [NB, 2, B, Hkv, D], slots [T],
+//                     k_scale, v_scale)                 slot < 0: skipped; x / scale stored,
+//                                                       narrowed to a bf16 or e4m3 cache
 //
 // Tensors are float32 or bfloat16 (one dtype per call; rotary's cos/sin tables stay float32, the
-// cache write's source may be float32 into a bf16 cache); inputs need unit stride in their last
+// cache may be bf16 under float32 keys, or e4m3 under either: kernels/kv_quant.py); inputs need unit stride in their last
 // dim (q/k/v arrive as views of the fused qkv projection) and are otherwise read through their
 // strides. The arithmetic is float32 whatever the storage (bf16 widened as read, rounded once
 // when written, bf16.h) and follows the torch expressions in pagedserve/workers/layers, up to
@@ -42,6 +43,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "fp8.h"
 #include "quant_rows.h"
 #include "rows.h"
 #include "vec_exp.h"
@@ -50,6 +52,7 @@ namespace {
 
 using pagedserve::bf16;
 using pagedserve::check_rows;
+using pagedserve::fp8;
 using pagedserve::check_same_dtype;
 using pagedserve::dispatch;
 using pagedserve::grain_rows;
@@ -292,20 +295,27 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor& x, int64
   return {q, scale};
 }
 
-// Copies one head row of d elements, converting when the cache's type differs from the source.
+// One head row of d elements into the cache as kv_quant.quantize_kv stores it: copied, or
+// divided by the scale in float32 and narrowed to the cache's type (fp8 saturating).
 template <typename S, typename C>
-inline void copy_row(C* __restrict dst, const S* __restrict src, int64_t d) {
+inline void copy_row(C* __restrict dst, const S* __restrict src, int64_t d, float scale) {
   if constexpr (std::is_same_v<S, C>) {
-    std::memcpy(dst, src, d * sizeof(C));
+    if (scale == 1.f) {
+      std::memcpy(dst, src, d * sizeof(C));
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<C, fp8>) {  // scalar: a few dozen elements a token and head
+    for (int64_t i = 0; i < d; ++i) dst[i] = store<fp8>(load(src[i]) / scale);
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) dst[i] = store<C>(load(src[i]));
+    for (int64_t i = 0; i < d; ++i) dst[i] = store<C>(load(src[i]) / scale);
   }
 }
 
 template <typename S, typename C, typename Slot>
 void write_slots(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                 const Slot* sp) {
+                 const Slot* sp, float k_scale, float v_scale) {
   const int64_t t = key.size(0), hk = kv_cache.size(3), d = kv_cache.size(4);
   const int64_t bs = kv_cache.size(2), limit = kv_cache.size(0) * bs;
   for (int64_t i = 0; i < t; ++i) {
@@ -313,7 +323,7 @@ void write_slots(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_
   }
   const S* kp = ptr<S>(key);
   const S* vp = ptr<S>(value);
-  C* cache = ptr<C>(kv_cache);
+  C* cache = reinterpret_cast<C*>(kv_cache.data_ptr());
   const int64_t row = hk * d;
   at::parallel_for(0, t, grain_rows(4 * row), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
@@ -322,8 +332,8 @@ void write_slots(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_
       C* kd = cache + ((slot / bs) * 2 * bs + slot % bs) * row;
       C* vd = kd + bs * row;
       for (int64_t h = 0; h < hk; ++h) {
-        copy_row(kd + h * d, kp + i * key.stride(0) + h * key.stride(1), d);
-        copy_row(vd + h * d, vp + i * value.stride(0) + h * value.stride(1), d);
+        copy_row(kd + h * d, kp + i * key.stride(0) + h * key.stride(1), d, k_scale);
+        copy_row(vd + h * d, vp + i * value.stride(0) + h * value.stride(1), d, v_scale);
       }
     }
   });
@@ -331,36 +341,51 @@ void write_slots(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_
 
 template <typename S, typename C>
 void write_typed(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                 const at::Tensor& slots) {
+                 const at::Tensor& slots, float k_scale, float v_scale) {
   if (slots.scalar_type() == at::kLong) {
-    write_slots<S, C>(key, value, kv_cache, slots.data_ptr<int64_t>());
+    write_slots<S, C>(key, value, kv_cache, slots.data_ptr<int64_t>(), k_scale, v_scale);
   } else {
     TORCH_CHECK(slots.scalar_type() == at::kInt, "slots must be int32 or int64");
-    write_slots<S, C>(key, value, kv_cache, slots.data_ptr<int32_t>());
+    write_slots<S, C>(key, value, kv_cache, slots.data_ptr<int32_t>(), k_scale, v_scale);
+  }
+}
+
+template <typename S>
+void write_from(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                const at::Tensor& slots, float k_scale, float v_scale) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return write_typed<S, fp8>(key, value, kv_cache, slots, k_scale, v_scale);
+    case at::kBFloat16:
+      return write_typed<S, bf16>(key, value, kv_cache, slots, k_scale, v_scale);
+    default:
+      return write_typed<S, float>(key, value, kv_cache, slots, k_scale, v_scale);
   }
 }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                       const at::Tensor& slots) {
+                       const at::Tensor& slots, double k_scale, double v_scale) {
   check_rows(key, "key");
   check_rows(value, "value");
   check_same_dtype(key, value, "reshape_and_cache");
   TORCH_CHECK(key.is_cpu() && value.is_cpu() && kv_cache.is_cpu() && slots.is_cpu(),
               "reshape_and_cache (CPU kernel): every tensor must be on the CPU");
   const auto st = key.scalar_type(), ct = kv_cache.scalar_type();
-  TORCH_CHECK((ct == st || ct == at::kBFloat16) && kv_cache.is_contiguous() &&
-                  kv_cache.dim() == 5 && kv_cache.size(1) == 2,
-              "kv_cache [NB, 2, B, Hkv, D] contiguous, of the keys' dtype or bfloat16");
+  TORCH_CHECK((ct == st || ct == at::kBFloat16 || ct == at::kFloat8_e4m3fn) &&
+                  kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(1) == 2,
+              "kv_cache [NB, 2, B, Hkv, D] contiguous, of the keys' dtype, bfloat16 or "
+              "float8_e4m3fn");
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+              "k_scale and v_scale must be finite and > 0");
   TORCH_CHECK(key.dim() == 3 && key.size(1) == kv_cache.size(3) &&
                   key.size(2) == kv_cache.size(4) && value.sizes() == key.sizes() &&
                   slots.dim() == 1 && slots.numel() == key.size(0) && slots.is_contiguous(),
               "key, value [T, Hkv, D] matching the cache; slots [T]");
-  if (st == at::kFloat && ct == at::kFloat) {
-    write_typed<float, float>(key, value, kv_cache, slots);
-  } else if (st == at::kFloat) {
-    write_typed<float, bf16>(key, value, kv_cache, slots);
+  const auto ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  if (st == at::kFloat) {
+    write_from<float>(key, value, kv_cache, slots, ks, vs);
   } else {
-    write_typed<bf16, bf16>(key, value, kv_cache, slots);
+    write_from<bf16>(key, value, kv_cache, slots, ks, vs);
   }
 }
 
@@ -374,7 +399,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def("add_rms_norm_quant_(Tensor(a!) residual, Tensor x, Tensor weight, float eps, "
           "int block) -> (Tensor, Tensor)");
   lib.def("silu_and_mul_quant(Tensor x, int block) -> (Tensor, Tensor)");
-  lib.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
+  lib.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots, "
+          "float k_scale, float v_scale) -> ()");
   lib.impl("rms_norm", c10::DispatchKey::CPU, rms_norm);
   lib.impl("add_rms_norm_", c10::DispatchKey::CPU, add_rms_norm_);
   lib.impl("rotary", c10::DispatchKey::CPU, rotary);

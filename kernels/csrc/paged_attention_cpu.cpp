@@ -12,6 +12,8 @@
 // bf16 under a float32 q too), every bf16 element widened in registers as it is read (bf16.h)
 // or, a bf16 q against a bf16 key, multiplied pairwise by vdpbf16ps (exact products, float32
 // sums), the scores, the running softmax and the accumulators float32, the output rounded once.
+// A scaled e4m3 cache (under either q) is widened to bf16 a chunk at a time (fp8.h) and read as a
+// bf16 cache; its k_scale multiplies the softmax scale and its v_scale the output, in float32.
 //
 // Two paths compute this. Where the build targets AVX-512 and D is 32, 64 or 128, attend_vec
 // takes every item: sixteen keys per register (keys16.h), up to four query rows at a time with
@@ -35,12 +37,14 @@
 #include <vector>
 
 #include "bf16.h"
+#include "fp8.h"
 #include "keys16.h"
 #include "vec_exp.h"
 
 namespace {
 
 using pagedserve::bf16;
+using pagedserve::fp8;
 using pagedserve::load;
 using pagedserve::store;
 
@@ -110,7 +114,8 @@ struct Meta {
   const int32_t* lens;
   const int32_t* table;
   int64_t max_blocks, block, hkv, group, dim, window;
-  float scale;
+  float scale;    // the softmax scale times k_scale: a stored key reads as itself times k_scale
+  float v_scale;  // a stored value reads as itself times v_scale; applied to the output once
 
   // The first key a query at position pos sees: 0, or the start of its window.
   int64_t first_key(int64_t pos) const {
@@ -244,7 +249,7 @@ void attend(const Args<Q, KV>& a, const Item& it, Scratch& scr) {
     for (int64_t g = 0; g < g_n; ++g) {
       const int64_t r = qi * g_n + g, head = it.kv_head * g_n + g;
       Q* o = a.out + tok * a.o_st + head * a.o_sh;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      const float inv = l[r] > 0.f ? a.v_scale / l[r] : 0.f;
       const float* ar = acc.data() + r * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) o[i] = store<Q>(ar[i] * inv);
@@ -295,7 +300,9 @@ struct Rows {
   __m512 acc[R][C];
   float m[R], l[R];
 
-  void init(const Args<Q, KV>& a, const Item& it, int64_t kv_head, int64_t r0) {
+  // a: the kernel's Args over the cache as stored (an fp8 cache's rows reach keys() widened).
+  template <typename A>
+  void init(const A& a, const Item& it, int64_t kv_head, int64_t r0) {
     const int64_t g_n = a.group, tok0 = a.cu[it.seq], q_len = a.cu[it.seq + 1] - tok0;
     const int64_t ctx = a.lens[it.seq] - q_len;  // position of new token 0
     for (int r = 0; r < R; ++r) {
@@ -313,12 +320,11 @@ struct Rows {
     }
   }
 
-  // Keys j0 .. j0 + nj (nj <= 16), their K rows from k and V rows from v, a.hkv * D apart.
-  __attribute__((always_inline)) inline void keys(const Args<Q, KV>& a, const KV* k,
-                                                  const KV* v, int64_t j0, int64_t nj) {
+  // Keys j0 .. j0 + nj (nj <= 16), their K rows from k and V rows from v, row_stride apart.
+  __attribute__((always_inline)) inline void keys(const Meta& a, const KV* k, const KV* v,
+                                                  int64_t row_stride, int64_t j0, int64_t nj) {
     using pagedserve::keys16::load16;
     using pagedserve::keys16::scores16;
-    const int64_t row_stride = a.hkv * D;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(j0)));
     const __mmask16 in_chunk = static_cast<__mmask16>((1u << nj) - 1u);
@@ -409,10 +415,11 @@ struct Rows {
   }
 #endif
 
-  void finish(const Args<Q, KV>& a) const {
+  template <typename A>
+  void finish(const A& a) const {
     for (int r = 0; r < R; ++r) {
       Q* o = a.out + tok[r] * a.o_st + head[r] * a.o_sh;
-      const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+      const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? a.v_scale / l[r] : 0.f);
       alignas(64) float row[D];
       if constexpr (pv_pairs) {  // lane 4L + t of a pair: dims 8L + t and 8L + 4 + t of its run
         alignas(64) float lo[16], hi[16];
@@ -462,16 +469,43 @@ __attribute__((always_inline)) inline void for_chunks(const Args<Q, KV>& a, int6
   }
 }
 
+// What Rows reads a cache of KV as: an fp8 cache as bf16 (every e4m3 is one exactly), widened a
+// chunk at a time into Wide; any other in place.
+template <typename KV>
+using Read = std::conditional_t<std::is_same_v<KV, fp8>, bf16, KV>;
+
+template <int D, typename KV>
+struct Wide {};
+
+template <int D>
+struct Wide<D, fp8> {  // one head's K and V rows of a chunk; widen64 writes whole 64-runs
+  alignas(64) bf16 k[16 * D + 32], v[16 * D + 32];
+};
+
+// One head's rows of a chunk (k, v: its first key's K and V rows) into `rows`.
+template <int D, typename R, typename KV>
+__attribute__((always_inline)) inline void feed(R& rows, const Meta& a, const KV* k, const KV* v,
+                                                int64_t j0, int64_t nj, Wide<D, KV>& wide) {
+  if constexpr (std::is_same_v<KV, fp8>) {
+    pagedserve::widen_rows<D>(k, a.hkv * D, nj, wide.k);
+    pagedserve::widen_rows<D>(v, a.hkv * D, nj, wide.v);
+    rows.keys(a, wide.k, wide.v, D, j0, nj);
+  } else {
+    rows.keys(a, k, v, a.hkv * D, j0, nj);
+  }
+}
+
 // Rows r0 .. r0 + R of one kv head's item, over all the keys they see.
 template <int D, int R, typename Q, typename KV>
 void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
-  Rows<D, R, Q, KV> rows;
+  Rows<D, R, Q, Read<KV>> rows;
+  Wide<D, KV> wide;
   rows.init(a, it, it.kv_head, r0);
   const int64_t hi = rows.pos[R - 1] + 1;  // rows go by position: the last sees the most
   const int64_t lo = a.first_key(rows.pos[0]);
   const int64_t off = it.kv_head * D;
   for_chunks(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj, const KV*) {
-    rows.keys(a, k + off, v + off, j0, nj);
+    feed<D>(rows, a, k + off, v + off, j0, nj, wide);
   });
   rows.finish(a);
 }
@@ -481,7 +515,8 @@ void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
 // where one head's rows are short runs a head's width apart.
 template <int D, int R, typename Q, typename KV>
 void attend_heads(const Args<Q, KV>& a, const Item& it, const KV* after) {
-  Rows<D, R, Q, KV> rows[kMaxHeadsPerItem];
+  Rows<D, R, Q, Read<KV>> rows[kMaxHeadsPerItem];
+  Wide<D, KV> wide;
   for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].init(a, it, it.kv_head + h, 0);
   const int64_t hi = rows[0].pos[0] + 1;
   const int64_t lo = a.first_key(rows[0].pos[0]);
@@ -502,7 +537,7 @@ void attend_heads(const Args<Q, KV>& a, const Item& it, const KV* after) {
           }
         }
       }
-      rows[h].keys(a, k + off, v + off, j0, nj);
+      feed<D>(rows[h], a, k + off, v + off, j0, nj, wide);
     }
   }, after);
   for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].finish(a);
@@ -633,12 +668,12 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
 int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Tensor& out,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                      const at::Tensor& block_table, double scale, int64_t window,
-                     at::Tensor& lse) {
+                     double k_scale, double v_scale, at::Tensor& lse) {
   const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
   TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && out.scalar_type() == qt &&
-                  (ct == qt || ct == at::kBFloat16),
+                  (ct == qt || ct == at::kBFloat16 || ct == at::kFloat8_e4m3fn),
               "paged_attention (CPU kernel): q and out float32 or bfloat16 alike, kv_cache "
-              "the same or bfloat16");
+              "the same, bfloat16 or float8_e4m3fn");
   TORCH_CHECK(q.is_cpu() && kv_cache.is_cpu() && out.is_cpu() && cu_seqlens_q.is_cpu() &&
                   seq_lens.is_cpu() && block_table.is_cpu() && (!lse.defined() || lse.is_cpu()),
               "paged_attention (CPU kernel): every tensor must be on the CPU");
@@ -652,6 +687,8 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
               "cu_seqlens_q [S + 1], seq_lens [S], block_table [S, max_blocks]");
   TORCH_CHECK(window == -1 || window >= 1, "sliding_window must be >= 1");
   TORCH_CHECK(scale > 0, "softmax_scale must be > 0");
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+              "k_scale and v_scale must be finite and > 0");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need unit stride in D");
   TORCH_CHECK(kv_cache.is_contiguous() && block_table.is_contiguous(), "need contiguous");
   TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -666,9 +703,18 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
   const Meta meta{want_lse ? lse.data_ptr<float>() : nullptr, cu_seqlens_q.data_ptr<int32_t>(),
                   seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(),
                   block_table.size(1), kv_cache.size(2), hkv, hq / hkv, q.size(2), window,
-                  static_cast<float>(scale)};
-  // at::BFloat16 is one uint16_t, as pagedserve::bf16.
+                  static_cast<float>(scale * k_scale), static_cast<float>(v_scale)};
+  // at::BFloat16 is one uint16_t, as pagedserve::bf16; at::Float8_e4m3fn one uint8_t, as fp8.
   auto bf = [](const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); };
+  const auto* f8 = reinterpret_cast<const fp8*>(kv_cache.data_ptr());
+  if (ct == at::kFloat8_e4m3fn && qt == at::kFloat) {
+    return run(make_args(q.data_ptr<float>(), f8, out.data_ptr<float>(), q, out, meta),
+               q.size(0), kv_cache.size(0), num_seqs);
+  }
+  if (ct == at::kFloat8_e4m3fn) {
+    return run(make_args(static_cast<const bf16*>(bf(q)), f8, bf(out), q, out, meta), q.size(0),
+               kv_cache.size(0), num_seqs);
+  }
   if (qt == at::kFloat && ct == at::kFloat) {
     return run(make_args(q.data_ptr<float>(), kv_cache.data_ptr<float>(),
                          out.data_ptr<float>(), q, out, meta),
@@ -689,6 +735,7 @@ int64_t paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, at::Ten
 TORCH_LIBRARY(pagedserve_cpu, lib) {
   lib.def(
       "paged_attention(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor cu_seqlens_q, "
-      "Tensor seq_lens, Tensor block_table, float scale, int window, Tensor(b!) lse) -> int");
+      "Tensor seq_lens, Tensor block_table, float scale, int window, float k_scale, "
+      "float v_scale, Tensor(b!) lse) -> int");
   lib.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
 }

@@ -1,6 +1,6 @@
 """A KV cache of its own dtype (bfloat16, scaled fp8 e4m3) under float32 activations: the write
-quantizes and attention widens, in the torch reference and the Triton kernels (interpreter on
-CPU), against float64.
+quantizes and attention widens, in the torch reference, the compiled CPU kernels and the Triton
+kernels (interpreter on CPU), against float64.
 
 Tolerances. Write: a stored element reads back within half an ulp of the float64 value,
 ``|x| * 2^-8`` for bfloat16 (8 significant bits) and ``|x| * 2^-4 + scale * 2^-10`` for e4m3
@@ -142,21 +142,70 @@ def test_read_dequantizes(kh, impl, block_size, group, h_kv, d, window, dtype, k
     assert kh.rel_err(out, true_out) <= READ_TOL[dtype]
 
 
+# The compiled CPU kernels: (block size, q heads per kv head, kv heads, head dim, window). Head
+# dims 32, 64 and 128 take the vectorised path (64 with 12 kv heads: a decode's heads together,
+# several items a sequence), 72 and a group of 8 the portable one.
+CPU_CASES = [(16, 3, 3, 64, None), (8, 4, 2, 128, 5), (32, 1, 2, 32, 40), (16, 3, 12, 64, None),
+             (16, 2, 2, 72, 9), (16, 8, 1, 64, None)]
+# A bf16 query rounds the probabilities and the output to bf16 (test_cpu_bf16.py's bound).
+CPU_TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8}
+
+
+@pytest.mark.parametrize("block_size,group,h_kv,d,window", CPU_CASES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype,k_scale,v_scale", KV_CASES)
-def test_cpu_dispatch_routes_a_narrow_cache_to_the_reference(kh, dtype, k_scale, v_scale):
-    """The compiled CPU kernels take the model dtype only: the dispatcher must give a bf16 or
-    fp8 cache under float32 activations to the reference, bit for bit."""
-    _, b, cache = _quantized_batch(kh, dtype, k_scale, v_scale, 16, 2, 4, 64, seed=1)
-    want, got = torch.zeros_like(b.q), torch.zeros_like(b.q)
-    meta = (b.cu_seqlens_q, b.seq_lens, b.block_table, b.scale)
-    paged_attention_ref(b.q, cache, want, *meta, k_scale=k_scale, v_scale=v_scale)
-    paged_attention(b.q, cache, got, *meta, k_scale=k_scale, v_scale=v_scale, plans={})
-    assert torch.equal(got, want)
+def test_cpu_kernel_reads_a_narrow_cache(kh, monkeypatch, block_size, group, h_kv, d, window,
+                                         q_dtype, dtype, k_scale, v_scale) -> None:
+    """The compiled kernel widens the cache exactly and scales in float32: float64 attention over
+    the dequantized values, within float32's (bf16's) bound; reached through the dispatcher."""
+    if q_dtype == torch.bfloat16 and dtype == torch.bfloat16:
+        pytest.skip("a bf16 cache under bf16 activations is the model's dtype: test_cpu_bf16")
+    deq, orig, cache = _quantized_batch(kh, dtype, k_scale, v_scale, block_size, h_kv, group, d,
+                                        seed=block_size + d + h_kv)
+    q = orig.q.to(q_dtype)
+    deq = dataclasses.replace(deq, q=q.double())
+    out = torch.full_like(q, math.nan)
+    monkeypatch.setattr("pagedserve.kernels.paged_attention_ref", None)  # the kernel's answer
+    lse = paged_attention(q, cache, out, orig.cu_seqlens_q, orig.seq_lens, orig.block_table,
+                          orig.scale, sliding_window=window, return_lse=True, k_scale=k_scale,
+                          v_scale=v_scale, plans={})
+    exact_out, exact_lse = kh.dense_attention(deq, window)
+    assert kh.rel_err(out, exact_out) <= CPU_TOL[q_dtype]
+    assert kh.rel_err(lse, exact_lse) <= kh.TOL[torch.float32]
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,k_scale,v_scale", KV_CASES)
+def test_cpu_kernel_writes_the_reference_bytes(monkeypatch, src_dtype, dtype, k_scale,
+                                               v_scale) -> None:
     key, value, slots, shape = _write_case(7, k_scale)
-    c_ref, c_disp = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    reshape_and_cache_ref(key, value, c_ref, slots, k_scale, v_scale)
-    reshape_and_cache(key, value, c_disp, slots, k_scale, v_scale)
-    assert torch.equal(c_disp.float(), c_ref.float())
+    key, value = key.to(src_dtype), value.to(src_dtype)
+    want, got = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    reshape_and_cache_ref(key, value, want, slots, k_scale, v_scale)
+    monkeypatch.setattr("pagedserve.kernels.reshape_and_cache_ref", None)
+    reshape_and_cache(key, value, got, slots, k_scale, v_scale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_cpu_fp8_write_rounds_every_value_as_torch_does(monkeypatch) -> None:
+    """Bit for bit with torch's cast: every e4m3 value, the midpoints between neighbours (ties
+    to even), subnormals, saturation, values around the scale."""
+    ladder = torch.arange(256, dtype=torch.uint8).view(FP8_E4M3).float()
+    ladder = ladder[~ladder.isnan()].sort().values
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([ladder, (ladder[:-1] + ladder[1:]) / 2, torch.randn(4000, generator=g) * 30,
+                   torch.randn(4000, generator=g) * 0.01,
+                   torch.tensor([500.0, -500.0, 464.0, 2.0**-10, -3 * 2.0**-10, 1e-30])])
+    x = x[: x.numel() // 64 * 64].view(-1, 1, 64)
+    slots = torch.arange(x.shape[0])
+    for scale in (1.0, 0.37):
+        want = torch.zeros(x.shape[0], 2, 1, 1, 64, dtype=FP8_E4M3)
+        got = torch.zeros_like(want)
+        reshape_and_cache_ref(x, x, want, slots, scale, scale)
+        with monkeypatch.context() as m:
+            m.setattr("pagedserve.kernels.reshape_and_cache_ref", None)
+            reshape_and_cache(x, x, got, slots, scale, scale)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_rejects_bad_scales_and_dtype_pairs() -> None:

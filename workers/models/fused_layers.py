@@ -5,8 +5,9 @@ A layer qualifies once, after loading (``fuse_layers``): on the CPU with the com
 float32 or bfloat16, one rank (no tensor or context parallelism), plain, packed or quantized
 (int8, GGUF int4) projections alike, and none of the variants the call does not carry
 (per-head q/k norms, biases on the output or MLP projections). A step then takes the call per
-layer when that layer's KV cache is of the model's dtype and unscaled. Either way the layer
-computes the same thing, so the two may alternate freely.
+layer when that layer's KV cache is of the model's dtype or a narrower storage dtype
+(``kernels.kv_quant``) whose scales are set, not being calibrated by this step. Either way the
+layer computes the same thing, so the two may alternate freely.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from pagedserve.kernels.cpu import COMPILED_DTYPES, cpu_ops
 from pagedserve.kernels.decoder_layer import LayerWeights, decoder_layer, projection
+from pagedserve.kernels.kv_quant import KV_STORAGE_DTYPES
 from pagedserve.kernels.quant_linear import Int8Weight
 from pagedserve.workers.context import get_forward_context
 
@@ -68,11 +70,13 @@ def run_layers(
     for layer, w in zip(layers, fused, strict=True):
         pa = layer.self_attn.attn
         cache = pa.kv_cache
-        if (step_ok and w is not None and cache is not None and cache.dtype == x.dtype
-                and pa.k_scale == 1.0 == pa.v_scale and not pa.calibrate_kv_scales):
+        if (step_ok and w is not None and cache is not None
+                and (cache.dtype == x.dtype or cache.dtype in KV_STORAGE_DTYPES)
+                and not pa.calibrate_kv_scales):
             md = ctx.groups[pa.kv_group]
             x, residual = decoder_layer(w, x, residual, positions, cache, md.slot_mapping,
-                                        md.cu_seqlens_q, md.seq_lens, md.block_table)
+                                        md.cu_seqlens_q, md.seq_lens, md.block_table,
+                                        pa.k_scale, pa.v_scale)
         else:
             x, residual = layer(positions, x, residual)
     assert residual is not None
