@@ -46,6 +46,25 @@ inline V vbcast(const float* x) { return _mm512_set1_ps(*x); }
 inline void vstore(float* o, V v) { _mm512_storeu_ps(o, v); }
 inline V vload_out(const float* b) { return _mm512_loadu_ps(b); }
 
+// bf16 output elements rounded to nearest even (vcvtneps2bf16, or bf16.h's store where the
+// machine lacks it: AVX-512 without BF16, e.g. Ice Lake, whose int8 path still writes bf16);
+// a bf16 bias, widened exactly.
+inline void vstore(uint16_t* o, V v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float f[kLanes];
+  _mm512_store_ps(f, v);
+  auto* dst = reinterpret_cast<bf16*>(o);
+#pragma omp simd
+  for (int i = 0; i < kLanes; ++i) dst[i] = store<bf16>(f[i]);
+#endif
+}
+inline V vload_out(const uint16_t* b) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 #elif defined(PAGEDSERVE_TILED)
 
 // AVX2: a vector is 8 lanes. 16 registers hold one row with two chains per float32 vector or
@@ -119,14 +138,6 @@ struct BF16 : Direct {
   }
   static __m512 combine(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 };
-
-inline void vstore(uint16_t* o, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __m512 vload_out(const uint16_t* b) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 #elif !defined(__AVX512F__)
 // AVX2 has no bf16 product: each 16 bytes of a step (4 columns x 2 k) widen exactly to 8
 // float32 lanes, multiplied by x's k pair in float32 (exact: 8-bit mantissas) and summed with

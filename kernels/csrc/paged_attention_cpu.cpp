@@ -330,6 +330,7 @@ struct Rows {
     const __mmask16 in_chunk = static_cast<__mmask16>((1u << nj) - 1u);
     alignas(64) float p[R][16];
     __m512 s_rows[R];  // every row's scores at once where rows share the key loads (bf16 pairs)
+#if defined(__AVX512BF16__)  // scores16_rows exists only there (pv_pairs is false elsewhere)
     if constexpr (pv_pairs && R > 1) {
       for (int64_t j = 0; j < nj; ++j) {  // the value rows on their way while the keys score
         for (int line = 0; line < D * 2; line += 64) {
@@ -338,6 +339,7 @@ struct Rows {
       }
       pagedserve::keys16::scores16_rows<D, R>(q, k, row_stride, nj, s_rows);
     }
+#endif
     for (int r = 0; r < R; ++r) {
       __mmask16 ok = in_chunk & _mm512_cmple_epi32_mask(
                                     key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
