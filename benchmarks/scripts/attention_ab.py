@@ -22,6 +22,13 @@ random order instead, as a pool does once sequences have grown block by block si
     python benchmarks/scripts/attention_ab.py --baseline HEAD~1 --threads 2 --layers 30
     python benchmarks/scripts/attention_ab.py --baseline HEAD~1 --threads 2 --dtype float32
     python benchmarks/scripts/attention_ab.py --baseline HEAD --threads 2 --layers 30 --scatter
+    python benchmarks/scripts/attention_ab.py --baseline HEAD --threads 2 --layers 30 \
+        --kv-cache-dtype fp8_e4m3
+
+``--kv-cache-dtype fp8_e4m3`` gives the working tree's kernel the same keys and values in a
+scaled fp8 cache (``kernels.kv_quant``), while the baseline's reads them at ``--dtype``: with
+``--baseline HEAD``, one kernel over a cache of either dtype (the output difference is then the
+fp8 rounding's).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from pathlib import Path
 import torch
 from cpu_kernels import build_revision, time_alternating
 
+from pagedserve.kernels.kv_quant import FP8_E4M3, quantize_kv, scale_from_amax
+
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = "kernels/csrc/paged_attention_cpu.cpp"
 
@@ -44,6 +53,15 @@ def run_layers(op: object, q: torch.Tensor, caches: list[torch.Tensor], out: tor
     """One decode step's attention in every layer: the op over each cache in turn."""
     for cache in caches:
         op(q, cache, out, *meta)  # type: ignore[operator]
+
+
+def meta_args(op: object, cu: torch.Tensor, lens: torch.Tensor, table: torch.Tensor,
+              scale: float, kv_scale: float) -> tuple:
+    """The op's arguments after q, cache and out, as its revision's schema has them (the cache's
+    k_scale and v_scale since they were added)."""
+    names = [a.name for a in op.default._schema.arguments]  # type: ignore[attr-defined]
+    scales = (kv_scale, kv_scale) if "k_scale" in names else ()
+    return (cu, lens, table, scale, -1, *scales, torch.empty(0))
 
 
 def main() -> None:
@@ -60,6 +78,8 @@ def main() -> None:
                     help="caches per step, one per layer, run in turn by each timed call")
     ap.add_argument("--scatter", action="store_true",
                     help="the step's blocks in a random order in the pool, not consecutive")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                    help="the working tree's cache: --dtype, or the same values in scaled fp8")
     args = ap.parse_args()
     base_text = subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], cwd=REPO,
                                check=True, capture_output=True, text=True).stdout
@@ -72,7 +92,8 @@ def main() -> None:
         ops = {"baseline": build_revision(base_text, "pa_baseline", include, tmp).paged_attention,
                "working tree": build_revision((REPO / SOURCE).read_text(), "pa_working", include,
                                               tmp).paged_attention}
-        print(f"baseline {args.baseline}, {args.dtype}, heads {hq}/{hkv}x{d}, threads "
+        print(f"baseline {args.baseline}, {args.dtype}, working tree's KV cache "
+              f"{args.kv_cache_dtype}, heads {hq}/{hkv}x{d}, threads "
               f"{args.threads}, {args.layers} layer(s) a call, blocks "
               f"{'scattered' if args.scatter else 'consecutive'}, median of {args.reps} "
               "alternated calls, per layer\n")
@@ -86,14 +107,22 @@ def main() -> None:
             g = torch.Generator().manual_seed(s * 1000 + ctx)
             caches = [torch.randn(s * per + 1, 2, bs, hkv, d, generator=g).to(dtype)
                       for _ in range(args.layers)]
+            kv_scale = 1.0
+            work_caches = caches
+            if args.kv_cache_dtype == "fp8_e4m3":
+                kv_scale = scale_from_amax(max(float(c.abs().max()) for c in caches))
+                work_caches = [quantize_kv(c, FP8_E4M3, kv_scale) for c in caches]
             order = torch.randperm(s * per, generator=g) if args.scatter else torch.arange(s * per)
             table = order.to(torch.int32).view(s, per).contiguous() + 1  # block 0: the null block
             q = torch.randn(s, hq, d, generator=g).to(dtype)
             cu = torch.arange(s + 1, dtype=torch.int32)
             lens = torch.full((s,), ctx + 1, dtype=torch.int32)
             outs = {k: torch.empty_like(q) for k in ops}
-            calls = [functools.partial(run_layers, op, q, caches, outs[k], cu, lens, table,
-                                       d**-0.5, -1, torch.empty(0)) for k, op in ops.items()]
+            calls = [functools.partial(run_layers, op, q,
+                                       caches if k == "baseline" else work_caches, outs[k],
+                                       *meta_args(op, cu, lens, table, d**-0.5,
+                                                  1.0 if k == "baseline" else kv_scale))
+                     for k, op in ops.items()]
             t_base, t_new = (t / args.layers for t in time_alternating(calls, args.reps))
             diff = (outs["baseline"].float() - outs["working tree"].float()).abs().max().item()
             print(f"| decode {s} x {ctx} | {t_base * 1e6:.0f} | {t_new * 1e6:.0f} | "

@@ -11,6 +11,9 @@ warm-up, so start-up and model loading are left out):
                     (several run only while at most four requests remain)
   pagedserve-int8   ``LLM()`` with ``quantization="int8"`` (whatever ``--quantization`` says):
                     int8 weights and activations beside the engine at ``--dtype``
+  pagedserve-fp8kv  ``LLM()`` with an fp8 KV cache (``kv_cache_dtype="fp8_e4m3"``, scales from the
+                    first prefill): half a bf16 model's KV bytes
+  pagedserve-int8-fp8kv  both: int8 weights and an fp8 KV cache
   pagedserve-spec   ``LLM()`` with ``--speculative-config`` (default: prompt lookup), to set
                     speculative decoding beside the same engine without it
   hf-static         Hugging Face ``generate`` on static batches (left padding, batch = the
@@ -67,7 +70,7 @@ from pagedserve.config import cache_root
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-sync", "pagedserve-1pass",
-           "pagedserve-int8",
+           "pagedserve-int8", "pagedserve-fp8kv", "pagedserve-int8-fp8kv",
            "pagedserve-spec", "hf-static", "hf-cb", "vllm", "vllm-default", "base", "base-local")
 VLLM_ENGINES = ("vllm", "vllm-default")
 REFERENCE = "hf-static"
@@ -217,6 +220,10 @@ def run_one(args: argparse.Namespace) -> None:
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization)
     elif args.run_one == "pagedserve-int8":
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, "int8")
+    elif args.run_one in ("pagedserve-fp8kv", "pagedserve-int8-fp8kv"):
+        quantization = "int8" if args.run_one == "pagedserve-int8-fp8kv" else args.quantization
+        outs = run_pagedserve(args.model_dir, work, None, args.dtype, quantization,
+                              kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
     elif args.run_one == "pagedserve-spec":
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization,
                               speculative_config=json.loads(args.speculative_config))

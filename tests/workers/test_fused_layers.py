@@ -1,8 +1,9 @@
 """The compiled whole-layer path (``kernels.decoder_layer``) computes exactly what the modules
 compute: the same workload, chunked prefills beside decodes, through a worker whose layers take
 the call and through the same worker with it switched off, gives bit-identical prompt
-log-probabilities and the same greedy tokens, in float32 and bfloat16. Layers it does not carry
-(Qwen3's q/k norms) keep the modules."""
+log-probabilities and the same greedy tokens, in float32 and bfloat16, over a KV cache of the
+model's dtype or of its own (bf16, scaled fp8). Layers it does not carry (Qwen3's q/k norms) keep
+the modules."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ B = 4
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="no compiled CPU kernels")
 
 
-def _run(path, dtype: str, stepper_module, fused: bool, calls: list[int]):
+def _run(path, dtype: str, stepper_module, fused: bool, calls: list[int], **cache):
     w = Worker(EngineConfig(
         model=ModelConfig(model=str(path), dtype=dtype),
-        cache=CacheConfig(block_size=B, kv_cache_memory_bytes=1 << 24),
+        cache=CacheConfig(block_size=B, kv_cache_memory_bytes=1 << 24, **cache),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
     ))
     layout = stepper_module.layout_for(w.load_model(), num_blocks=160, block_size=B)
@@ -67,6 +68,26 @@ def test_the_compiled_layer_equals_the_modules(kind, dtype, checkpoint_dir, step
     assert got_lps.keys() == want_lps.keys()
     for rid, lps in want_lps.items():
         assert got_lps[rid] == lps, rid  # bit for bit: the same operators in the same order
+
+
+# (model dtype, KV cache options): bf16 under float32, fp8 at scale 1 and with calibrated scales.
+KV_CASES = [("float32", {"kv_cache_dtype": "bfloat16"}),
+            ("float32", {"kv_cache_dtype": "fp8_e4m3"}),
+            ("bfloat16", {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True})]
+
+
+@pytest.mark.parametrize("dtype,cache", KV_CASES)
+def test_a_narrow_kv_cache_takes_the_call_and_equals_the_modules(dtype, cache, checkpoint_dir,
+                                                                  stepper_module, monkeypatch):
+    calls: list[int] = []
+    real = fused_layers.decoder_layer
+    monkeypatch.setattr(fused_layers, "decoder_layer",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    path = checkpoint_dir("llama")
+    _, want_tokens, want_lps, off_calls = _run(path, dtype, stepper_module, False, calls, **cache)
+    _, got_tokens, got_lps, on_calls = _run(path, dtype, stepper_module, True, calls, **cache)
+    assert off_calls == 0 and on_calls > 0
+    assert got_tokens == want_tokens and got_lps == want_lps
 
 
 def test_layers_it_does_not_carry_keep_the_modules(checkpoint_dir, stepper_module) -> None:
