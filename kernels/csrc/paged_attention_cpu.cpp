@@ -17,8 +17,10 @@
 //
 // Two paths compute this. Where the build targets AVX-512 and D is 32, 64 or 128, attend_vec
 // takes every item: sixteen keys per register (keys16.h), up to four query rows at a time with
-// their accumulators in registers, a decode's kv heads together when sequences are many. Elsewhere `attend` does, in plain C++ that the compiler
-// vectorises for whatever the target has.
+// their accumulators in registers, a decode's kv heads together when sequences are many, a lone
+// decode's keys split between the threads when items are too few to share (split_decodes).
+// Elsewhere `attend` does, in plain C++ that the compiler vectorises for whatever the target
+// has.
 //
 // Layouts: q and out [T, H_q, D] with unit stride in D; kv_cache [num_blocks, 2, B, H_kv, D]
 // contiguous; block_table [S, max_blocks] int32 contiguous; lse [T, H_q] float32 or empty.
@@ -57,8 +59,16 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // than one head only for a decode through the vectorised path (attend_heads).
 struct Item {
   int64_t seq, kv_head, kv_heads, q_begin, q_end, cost;
+  // A part of a decode's keys (split_decodes): keys [key_lo, key_hi), its rows' normalised
+  // output, max and sum written to `partial` ([G][D + 2] floats) for merge_parts. key_hi < 0:
+  // every key the rows see, written to out.
+  int64_t key_lo = 0, key_hi = -1;
+  float* partial = nullptr;
 };
 constexpr int64_t kMaxHeadsPerItem = 8;
+// A part of a split decode holds at least this many keys: below it, the merge and the extra
+// item cost more than the thread it wakes gains.
+constexpr int64_t kMinKeysPerPart = 256;
 
 template <typename KV>
 inline float dot(const float* __restrict a, const KV* __restrict b, int64_t n) {
@@ -417,33 +427,50 @@ struct Rows {
   }
 #endif
 
+  // Row r's output in float32, in order: the accumulators over the sum, times v_scale.
+  void output_row(const Meta& a, int r, float (&row)[D]) const {
+    const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? a.v_scale / l[r] : 0.f);
+    if constexpr (pv_pairs) {  // lane 4L + t of a pair: dims 8L + t and 8L + 4 + t of its run
+        alignas(64) float lo[16], hi[16];
+      for (int h = 0; h < D / 32; ++h) {
+        _mm512_store_ps(lo, _mm512_mul_ps(acc[r][2 * h], inv));
+        _mm512_store_ps(hi, _mm512_mul_ps(acc[r][2 * h + 1], inv));
+        for (int lane = 0; lane < 4; ++lane) {
+          for (int t = 0; t < 4; ++t) {
+            row[32 * h + 8 * lane + t] = lo[4 * lane + t];
+            row[32 * h + 8 * lane + 4 + t] = hi[4 * lane + t];
+          }
+        }
+      }
+    } else {
+      for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+    }
+  }
+
   template <typename A>
   void finish(const A& a) const {
     for (int r = 0; r < R; ++r) {
       Q* o = a.out + tok[r] * a.o_st + head[r] * a.o_sh;
-      const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? a.v_scale / l[r] : 0.f);
       alignas(64) float row[D];
-      if constexpr (pv_pairs) {  // lane 4L + t of a pair: dims 8L + t and 8L + 4 + t of its run
-        alignas(64) float lo[16], hi[16];
-        for (int h = 0; h < D / 32; ++h) {
-          _mm512_store_ps(lo, _mm512_mul_ps(acc[r][2 * h], inv));
-          _mm512_store_ps(hi, _mm512_mul_ps(acc[r][2 * h + 1], inv));
-          for (int lane = 0; lane < 4; ++lane) {
-            for (int t = 0; t < 4; ++t) {
-              row[32 * h + 8 * lane + t] = lo[4 * lane + t];
-              row[32 * h + 8 * lane + 4 + t] = hi[4 * lane + t];
-            }
-          }
-        }
-      } else {
-        for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[r][c], inv));
-      }
+      output_row(a, r, row);
 #pragma omp simd
       for (int i = 0; i < D; ++i) o[i] = store<Q>(row[i]);
       if (a.lse != nullptr) {
         a.lse[tok[r] * (a.hkv * a.group) + head[r]] =
             l[r] > 0.f ? m[r] + std::log(l[r]) : kNegInf;
       }
+    }
+  }
+
+  // A part's rows r0.. into `partial` (Item::partial): each row's output, max and sum.
+  void keep(const Meta& a, float* partial, int64_t r0) const {
+    for (int r = 0; r < R; ++r) {
+      float* dst = partial + (r0 + r) * (D + 2);
+      alignas(64) float row[D];
+      output_row(a, r, row);
+      std::copy(row, row + D, dst);
+      dst[D] = m[r];
+      dst[D + 1] = l[r];
     }
   }
 };
@@ -503,13 +530,18 @@ void attend_rows(const Args<Q, KV>& a, const Item& it, int64_t r0) {
   Rows<D, R, Q, Read<KV>> rows;
   Wide<D, KV> wide;
   rows.init(a, it, it.kv_head, r0);
-  const int64_t hi = rows.pos[R - 1] + 1;  // rows go by position: the last sees the most
-  const int64_t lo = a.first_key(rows.pos[0]);
+  // Rows go by position: the last sees the most keys, the first from the earliest.
+  const int64_t hi = it.key_hi >= 0 ? it.key_hi : rows.pos[R - 1] + 1;
+  const int64_t lo = it.key_hi >= 0 ? it.key_lo : a.first_key(rows.pos[0]);
   const int64_t off = it.kv_head * D;
   for_chunks(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj, const KV*) {
     feed<D>(rows, a, k + off, v + off, j0, nj, wide);
   });
-  rows.finish(a);
+  if (it.partial != nullptr) {
+    rows.keep(a, it.partial, r0);
+  } else {
+    rows.finish(a);
+  }
 }
 
 // A decode over every kv head at once (R = G rows each): each block's K and V rows of all
@@ -600,6 +632,94 @@ bool attend_fast(const Args<Q, KV>&, const Item&, const KV*) {
 }
 #endif
 
+// One new token's rows of one kv head, their keys split into parts (split_decodes).
+struct Split {
+  int64_t tok, kv_head, parts;
+  const float* partial;  // [parts][G][D + 2]: each part's rows as Rows::keep writes them
+};
+
+// Fewer items than twice the threads (one or two sequences decoding: a single user's stream)
+// leave threads idle while the longest items run: SmolLM2's three kv heads on two threads take
+// the time of two heads. Where attend_vec serves, each one-token item with enough keys is split
+// into parts of its key range that the threads share, each part's rows kept apart in `buf`
+// (flash-decoding); merge_parts then combines them by their maxima and sums.
+std::vector<Split> split_decodes(const Meta& a, std::vector<Item>& items, std::vector<float>& buf,
+                                 int64_t threads) {
+  std::vector<Split> splits;
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (threads < 2 || n == 0 || n >= 2 * threads || !vec_serves(a.dim, a.group)) return splits;
+  const int64_t per_part = a.group * (a.dim + 2), want = (2 * threads + n - 1) / n;
+  auto keys_of = [&](const Item& it) {  // [lo, hi) of a one-token item
+    const int64_t pos = a.lens[it.seq] - (a.cu[it.seq + 1] - a.cu[it.seq]) + it.q_begin;
+    return std::pair<int64_t, int64_t>{a.first_key(pos), pos + 1};
+  };
+  auto parts_of = [&](const Item& it) -> int64_t {
+    if (it.q_end - it.q_begin != 1 || it.kv_heads != 1) return 1;
+    const auto [lo, hi] = keys_of(it);
+    return std::clamp<int64_t>((hi - lo) / kMinKeysPerPart, 1, want);
+  };
+  int64_t total = 0;
+  for (const Item& it : items) total += parts_of(it) > 1 ? parts_of(it) : 0;
+  if (total == 0) return splits;
+  buf.assign(total * per_part, 0.f);
+  std::vector<Item> out;
+  float* next = buf.data();
+  for (const Item& it : items) {
+    const int64_t parts = parts_of(it);
+    if (parts == 1) {
+      out.push_back(it);
+      continue;
+    }
+    const auto [lo, hi] = keys_of(it);
+    splits.push_back({a.cu[it.seq] + it.q_begin, it.kv_head, parts, next});
+    for (int64_t p = 0; p < parts; ++p) {  // boundaries on 16-key chunks from lo
+      const int64_t b0 = lo + (hi - lo) * p / parts / 16 * 16;
+      const int64_t b1 = p + 1 == parts ? hi : lo + (hi - lo) * (p + 1) / parts / 16 * 16;
+      Item part = it;
+      part.cost = it.cost * (b1 - b0) / (hi - lo);
+      part.key_lo = b0;
+      part.key_hi = b1;
+      part.partial = next;
+      next += per_part;
+      out.push_back(part);
+    }
+  }
+  items.swap(out);
+  return splits;
+}
+
+// The parts of each split into out (and lse): the rows' outputs weighted by l * exp(m - M),
+// M the largest part maximum.
+template <typename Q, typename KV>
+void merge_parts(const Args<Q, KV>& a, const std::vector<Split>& splits) {
+  const int64_t d = a.dim, per_part = a.group * (d + 2);
+  std::vector<float> row(d);
+  for (const Split& sp : splits) {
+    for (int64_t g = 0; g < a.group; ++g) {
+      float mx = kNegInf;
+      for (int64_t p = 0; p < sp.parts; ++p) {
+        mx = std::max(mx, sp.partial[p * per_part + g * (d + 2) + d]);
+      }
+      float sum = 0.f;
+      std::fill(row.begin(), row.end(), 0.f);
+      for (int64_t p = 0; p < sp.parts; ++p) {
+        const float* part = sp.partial + p * per_part + g * (d + 2);
+        if (part[d + 1] == 0.f) continue;  // saw no key
+        const float w = part[d + 1] * std::exp(part[d] - mx);
+        sum += w;
+        for (int64_t i = 0; i < d; ++i) row[i] += w * part[i];
+      }
+      const int64_t head = sp.kv_head * a.group + g;
+      Q* o = a.out + sp.tok * a.o_st + head * a.o_sh;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      for (int64_t i = 0; i < d; ++i) o[i] = store<Q>(row[i] * inv);
+      if (a.lse != nullptr) {
+        a.lse[sp.tok * (a.hkv * a.group) + head] = sum > 0.f ? mx + std::log(sum) : kNegInf;
+      }
+    }
+  }
+}
+
 template <typename Q, typename KV>
 int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_t num_seqs) {
   std::vector<Item> items;
@@ -629,6 +749,8 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
       }
     }
   }
+  std::vector<float> partials;
+  const std::vector<Split> splits = split_decodes(a, items, partials, at::get_num_threads());
   // Longest first, handed out one at a time: the threads finish together whatever the mix.
   std::sort(items.begin(), items.end(),
             [](const Item& x, const Item& y) { return x.cost > y.cost; });
@@ -643,7 +765,7 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
       const KV* after = nullptr;
       if (j < n) {
         const Item& it = items[j];
-        const int64_t lo = a.first_key(a.lens[it.seq] - 1);  // a decode's first key
+        const int64_t lo = it.key_hi >= 0 ? it.key_lo : a.first_key(a.lens[it.seq] - 1);
         after = a.kv + static_cast<int64_t>(a.table[it.seq * a.max_blocks + lo / a.block]) * 2 *
                            a.block * a.hkv * a.dim;
       }
@@ -661,6 +783,7 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
   } else {
     at::parallel_for(0, threads, 1, worker);
   }
+  merge_parts(a, splits);
   return -1;
 }
 

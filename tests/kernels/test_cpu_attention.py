@@ -88,6 +88,45 @@ def test_many_decodes(kh, threads, num_threads, group, h_kv, d, window, dtype) -
     assert kh.rel_err(lse, want_lse) <= 1e-5
 
 
+# (sequences: (new tokens, length) each, group, kv heads, head dim, window, dtype, split on two
+# threads; None: not checked, a bf16 output can round both ways to the same bits)
+ONE_STREAM = [
+    ([(1, 600)], 3, 3, 64, None, torch.float32, True),  # SmolLM2's heads: 3 items, 2 threads
+    ([(1, 600)], 3, 3, 64, None, torch.bfloat16, None),
+    ([(1, 1000)], 3, 3, 64, 700, torch.float32, True),  # a window: parts start inside it
+    ([(1, 1000)], 3, 3, 64, 300, torch.float32, False),  # too few keys in the window to split
+    ([(1, 500)], 2, 1, 128, None, torch.float32, False),  # too few keys for two parts of 256
+    ([(1, 777)], 4, 1, 32, None, torch.float32, True),
+    ([(1, 600), (17, 400)], 1, 1, 64, None, torch.float32, True),  # beside a prefill's tiles
+    ([(1, 600), (1, 600)], 2, 2, 64, None, torch.float32, False),  # four items: enough
+]
+
+
+@pytest.mark.parametrize("seqs,group,h_kv,d,window,dtype,split", ONE_STREAM)
+def test_a_lone_decode_splits_its_keys(kh, threads, seqs, group, h_kv, d, window, dtype,
+                                       split) -> None:
+    """Fewer items than twice the threads: a decode's keys are split into parts that the
+    threads share, merged by their maxima and sums. float64 attention's answer on one thread
+    and on two; the two differ in their last bits exactly where the split happened."""
+    b = kh.make_batch([q for q, _ in seqs], [n for _, n in seqs], 16, h_kv, group, d,
+                      dtype=dtype, seed=d + group)
+    want_out, want_lse = kh.dense_attention(b, window)
+    got = {}
+    for num_threads in (1, 2):
+        threads(num_threads)
+        out = torch.full(b.q.shape, math.nan, dtype=dtype)
+        lse = cpu_paged_attention(b.q, b.caches[0], out, b.cu_seqlens_q, b.seq_lens,
+                                  b.block_table, b.scale, window, True)
+        # bf16: the probabilities are rounded to bf16 for P V; over 600 keys the output is a
+        # small average, which those roundings move by more than one rounding of the result
+        # (2^-8, test_cpu_bf16.py's bound, read 0.0045 here without a split).
+        assert kh.rel_err(out, want_out) <= (2.0**-7 if dtype == torch.bfloat16 else 1e-5)
+        assert kh.rel_err(lse, want_lse) <= 1e-5
+        got[num_threads] = out, lse
+    same = all(torch.equal(x, y) for x, y in zip(got[1], got[2], strict=True))
+    assert split is None or same != split
+
+
 @pytest.mark.parametrize("window", [None, 23])
 def test_long_prefill_spans_query_tiles(kh, window) -> None:
     # 70 and 45 new tokens over cached context: several 16-query tiles per sequence, a window
