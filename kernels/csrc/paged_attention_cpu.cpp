@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bf16.h"
@@ -60,8 +61,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 struct Item {
   int64_t seq, kv_head, kv_heads, q_begin, q_end, cost;
   // A part of a decode's keys (split_decodes): keys [key_lo, key_hi), its rows' normalised
-  // output, max and sum written to `partial` ([G][D + 2] floats) for merge_parts. key_hi < 0:
-  // every key the rows see, written to out.
+  // output, max and sum written to `partial` ([kv_heads][G][D + 2] floats) for merge_parts.
+  // key_hi < 0: every key the rows see, written to out.
   int64_t key_lo = 0, key_hi = -1;
   float* partial = nullptr;
 };
@@ -431,7 +432,7 @@ struct Rows {
   void output_row(const Meta& a, int r, float (&row)[D]) const {
     const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? a.v_scale / l[r] : 0.f);
     if constexpr (pv_pairs) {  // lane 4L + t of a pair: dims 8L + t and 8L + 4 + t of its run
-        alignas(64) float lo[16], hi[16];
+      alignas(64) float lo[16], hi[16];
       for (int h = 0; h < D / 32; ++h) {
         _mm512_store_ps(lo, _mm512_mul_ps(acc[r][2 * h], inv));
         _mm512_store_ps(hi, _mm512_mul_ps(acc[r][2 * h + 1], inv));
@@ -552,8 +553,8 @@ void attend_heads(const Args<Q, KV>& a, const Item& it, const KV* after) {
   Rows<D, R, Q, Read<KV>> rows[kMaxHeadsPerItem];
   Wide<D, KV> wide;
   for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].init(a, it, it.kv_head + h, 0);
-  const int64_t hi = rows[0].pos[0] + 1;
-  const int64_t lo = a.first_key(rows[0].pos[0]);
+  const int64_t hi = it.key_hi >= 0 ? it.key_hi : rows[0].pos[0] + 1;
+  const int64_t lo = it.key_hi >= 0 ? it.key_lo : a.first_key(rows[0].pos[0]);
   const int64_t bs = a.block, row_stride = a.hkv * D;
   for_chunks(a, it.seq, lo, hi, [&](const KV* k, const KV* v, int64_t j0, int64_t nj,
                                     const KV* next) {
@@ -574,7 +575,13 @@ void attend_heads(const Args<Q, KV>& a, const Item& it, const KV* after) {
       feed<D>(rows[h], a, k + off, v + off, j0, nj, wide);
     }
   }, after);
-  for (int64_t h = 0; h < it.kv_heads; ++h) rows[h].finish(a);
+  for (int64_t h = 0; h < it.kv_heads; ++h) {
+    if (it.partial != nullptr) {
+      rows[h].keep(a, it.partial + h * R * (D + 2), 0);
+    } else {
+      rows[h].finish(a);
+    }
+  }
 }
 
 template <int D>
@@ -632,36 +639,39 @@ bool attend_fast(const Args<Q, KV>&, const Item&, const KV*) {
 }
 #endif
 
-// One new token's rows of one kv head, their keys split into parts (split_decodes).
+// One new token's rows of kv heads [kv_head, kv_head + kv_heads), their keys split into parts
+// (split_decodes).
 struct Split {
-  int64_t tok, kv_head, parts;
-  const float* partial;  // [parts][G][D + 2]: each part's rows as Rows::keep writes them
+  int64_t tok, kv_head, kv_heads, parts;
+  const float* partial;  // [parts][kv_heads][G][D + 2]: each part's rows as Rows::keep writes
 };
 
-// Fewer items than twice the threads (one or two sequences decoding: a single user's stream)
-// leave threads idle while the longest items run: SmolLM2's three kv heads on two threads take
-// the time of two heads. Where attend_vec serves, each one-token item with enough keys is split
-// into parts of its key range that the threads share, each part's rows kept apart in `buf`
-// (flash-decoding); merge_parts then combines them by their maxima and sums.
+// Few items for the threads (a few sequences decoding: a single user's stream) leave threads
+// idle while the longest items run. Where attend_vec serves, each one-token item
+// with enough keys is split into parts of its key range that the threads share, each part's
+// rows kept apart in `buf` (flash-decoding); merge_parts then combines them by their maxima and
+// sums. Such a decode comes here with its kv heads together (run), so that each part streams
+// its blocks whole.
 std::vector<Split> split_decodes(const Meta& a, std::vector<Item>& items, std::vector<float>& buf,
                                  int64_t threads) {
   std::vector<Split> splits;
   const int64_t n = static_cast<int64_t>(items.size());
-  if (threads < 2 || n == 0 || n >= 2 * threads || !vec_serves(a.dim, a.group)) return splits;
-  const int64_t per_part = a.group * (a.dim + 2), want = (2 * threads + n - 1) / n;
+  if (threads < 2 || n == 0 || n >= 4 * threads || !vec_serves(a.dim, a.group)) return splits;
+  // Parts enough for four items a thread, which the threads' dynamic claiming keeps level.
+  const int64_t per_head = a.group * (a.dim + 2), want = (4 * threads + n - 1) / n;
   auto keys_of = [&](const Item& it) {  // [lo, hi) of a one-token item
     const int64_t pos = a.lens[it.seq] - (a.cu[it.seq + 1] - a.cu[it.seq]) + it.q_begin;
     return std::pair<int64_t, int64_t>{a.first_key(pos), pos + 1};
   };
   auto parts_of = [&](const Item& it) -> int64_t {
-    if (it.q_end - it.q_begin != 1 || it.kv_heads != 1) return 1;
+    if (it.q_end - it.q_begin != 1) return 1;
     const auto [lo, hi] = keys_of(it);
     return std::clamp<int64_t>((hi - lo) / kMinKeysPerPart, 1, want);
   };
   int64_t total = 0;
-  for (const Item& it : items) total += parts_of(it) > 1 ? parts_of(it) : 0;
+  for (const Item& it : items) total += parts_of(it) > 1 ? parts_of(it) * it.kv_heads : 0;
   if (total == 0) return splits;
-  buf.assign(total * per_part, 0.f);
+  buf.assign(total * per_head, 0.f);
   std::vector<Item> out;
   float* next = buf.data();
   for (const Item& it : items) {
@@ -671,7 +681,7 @@ std::vector<Split> split_decodes(const Meta& a, std::vector<Item>& items, std::v
       continue;
     }
     const auto [lo, hi] = keys_of(it);
-    splits.push_back({a.cu[it.seq] + it.q_begin, it.kv_head, parts, next});
+    splits.push_back({a.cu[it.seq] + it.q_begin, it.kv_head, it.kv_heads, parts, next});
     for (int64_t p = 0; p < parts; ++p) {  // boundaries on 16-key chunks from lo
       const int64_t b0 = lo + (hi - lo) * p / parts / 16 * 16;
       const int64_t b1 = p + 1 == parts ? hi : lo + (hi - lo) * (p + 1) / parts / 16 * 16;
@@ -680,7 +690,7 @@ std::vector<Split> split_decodes(const Meta& a, std::vector<Item>& items, std::v
       part.key_lo = b0;
       part.key_hi = b1;
       part.partial = next;
-      next += per_part;
+      next += it.kv_heads * per_head;
       out.push_back(part);
     }
   }
@@ -692,24 +702,25 @@ std::vector<Split> split_decodes(const Meta& a, std::vector<Item>& items, std::v
 // M the largest part maximum.
 template <typename Q, typename KV>
 void merge_parts(const Args<Q, KV>& a, const std::vector<Split>& splits) {
-  const int64_t d = a.dim, per_part = a.group * (d + 2);
+  const int64_t d = a.dim;
   std::vector<float> row(d);
   for (const Split& sp : splits) {
-    for (int64_t g = 0; g < a.group; ++g) {
+    const int64_t per_part = sp.kv_heads * a.group * (d + 2);
+    for (int64_t r = 0; r < sp.kv_heads * a.group; ++r) {  // head sp.kv_head * G + r
       float mx = kNegInf;
       for (int64_t p = 0; p < sp.parts; ++p) {
-        mx = std::max(mx, sp.partial[p * per_part + g * (d + 2) + d]);
+        mx = std::max(mx, sp.partial[p * per_part + r * (d + 2) + d]);
       }
       float sum = 0.f;
       std::fill(row.begin(), row.end(), 0.f);
       for (int64_t p = 0; p < sp.parts; ++p) {
-        const float* part = sp.partial + p * per_part + g * (d + 2);
+        const float* part = sp.partial + p * per_part + r * (d + 2);
         if (part[d + 1] == 0.f) continue;  // saw no key
         const float w = part[d + 1] * std::exp(part[d] - mx);
         sum += w;
         for (int64_t i = 0; i < d; ++i) row[i] += w * part[i];
       }
-      const int64_t head = sp.kv_head * a.group + g;
+      const int64_t head = sp.kv_head * a.group + r;
       Q* o = a.out + sp.tok * a.o_st + head * a.o_sh;
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       for (int64_t i = 0; i < d; ++i) o[i] = store<Q>(row[i] * inv);
@@ -742,7 +753,11 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
       const int64_t q1 = std::min(q_len, q0 + kQueryTile);
       const int64_t keys = a.lens[s] - q_len + q1;
       const int64_t cost = (q1 - q0) * (a.window > 0 ? std::min(keys, a.window + q1 - q0) : keys);
-      const int64_t per_item = heads_together && q_len == 1 ? kMaxHeadsPerItem : 1;
+      // A decode's kv heads go together where sequences are many, and where its keys are
+      // enough for split_decodes to split them (a part then streams its blocks whole).
+      const bool long_decode =
+          vec_serves(a.dim, a.group) && len - a.first_key(len - 1) >= 2 * kMinKeysPerPart;
+      const int64_t per_item = q_len == 1 && (heads_together || long_decode) ? kMaxHeadsPerItem : 1;
       for (int64_t h = 0; h < a.hkv; h += per_item) {
         const int64_t heads = std::min(per_item, a.hkv - h);
         items.push_back({s, h, heads, q0, q1, cost * heads});

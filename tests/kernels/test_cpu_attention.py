@@ -98,16 +98,18 @@ ONE_STREAM = [
     ([(1, 500)], 2, 1, 128, None, torch.float32, False),  # too few keys for two parts of 256
     ([(1, 777)], 4, 1, 32, None, torch.float32, True),
     ([(1, 600), (17, 400)], 1, 1, 64, None, torch.float32, True),  # beside a prefill's tiles
-    ([(1, 600), (1, 600)], 2, 2, 64, None, torch.float32, False),  # four items: enough
+    ([(1, 600), (1, 700)], 2, 2, 64, None, torch.float32, True),  # two streams
+    ([(1, 600)] * 8, 2, 2, 64, None, torch.float32, False),  # eight items: enough to share
 ]
 
 
 @pytest.mark.parametrize("seqs,group,h_kv,d,window,dtype,split", ONE_STREAM)
 def test_a_lone_decode_splits_its_keys(kh, threads, seqs, group, h_kv, d, window, dtype,
                                        split) -> None:
-    """Fewer items than twice the threads: a decode's keys are split into parts that the
-    threads share, merged by their maxima and sums. float64 attention's answer on one thread
-    and on two; the two differ in their last bits exactly where the split happened."""
+    """Fewer items than four a thread: a long decode's keys (its kv heads together) are split
+    into parts that the threads share, merged by their maxima and sums. float64 attention's
+    answer on one thread and on two; the two differ in their last bits exactly where the split
+    happened."""
     b = kh.make_batch([q for q, _ in seqs], [n for _, n in seqs], 16, h_kv, group, d,
                       dtype=dtype, seed=d + group)
     want_out, want_lse = kh.dense_attention(b, window)
