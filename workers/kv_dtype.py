@@ -12,6 +12,7 @@ import logging
 import torch
 
 from pagedserve.config import ConfigError
+from pagedserve.kernels.cpu import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,12 @@ def log_kv_cache_dtype(kv_dtype: torch.dtype, model_dtype: torch.dtype,
     if kv_dtype == model_dtype:
         log.info("KV cache dtype %s (the model's, %d bytes per element)", kv_dtype, size)
         return
-    kernels = "the compiled CPU kernels" if device.type == "cpu" else "the Triton kernels"
+    if device.type != "cpu":
+        kernels = "the Triton kernels"
+    elif cpu_ops() is not None:
+        kernels = "the compiled CPU kernels"
+    else:  # no compiler here: every op takes its reference
+        kernels = "the torch reference"
     path = f"{kernels} quantize on write and widen on read"
     log.info("KV cache dtype %s (%d bytes per element) under a %s model: %s",
              kv_dtype, size, model_dtype, path)
