@@ -34,7 +34,7 @@ from pagedserve.kernels.cp_layout import (
     cp_local_seq_len,
     cp_owner_and_offset,
 )
-from pagedserve.kernels.cpu import compiled_for, cpu_ops, cpu_paged_attention
+from pagedserve.kernels.cpu import compiled_cache, compiled_for, cpu_ops, cpu_paged_attention
 from pagedserve.kernels.errors import KernelArgumentError, KernelDtypeError
 from pagedserve.kernels.kv_quant import (
     FP8_E4M3,
@@ -68,13 +68,6 @@ def _one_dtype(*tensors: torch.Tensor) -> bool:
     return len({t.dtype for t in tensors}) == 1
 
 
-def _compiled_cache(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the compiled CPU kernels take this cache under activations like ``x``: of their
-    dtype, or of a KV storage dtype (``kv_quant``)."""
-    return (kv_cache.device.type == "cpu"
-            and (kv_cache.dtype == x.dtype or kv_cache.dtype in KV_STORAGE_DTYPES))
-
-
 def _cached_plan(
     plans: dict[tuple, AttentionPlan], q: torch.Tensor, kv_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -104,11 +97,11 @@ def reshape_and_cache(
     if _use_triton(key):
         triton_reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     elif (_one_dtype(key, value) and compiled_for(key, value)
-          and _compiled_cache(key, kv_cache)):
+          and compiled_cache(key.dtype, kv_cache)):
+        check_kv_scales(k_scale, v_scale)  # the kernel takes floats: a bool would pass as 1.0
         try:  # checked by the kernel; the typed error as above
             cpu_ops().reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
         except RuntimeError:
-            check_kv_scales(k_scale, v_scale)
             check_reshape_and_cache(key, value, kv_cache, slot_mapping)
             raise
     else:
@@ -142,18 +135,18 @@ def paged_attention(
                                       return_lse=return_lse, num_kv_splits=num_kv_splits,
                                       k_scale=k_scale, v_scale=v_scale)
     if (cp.size == 1 and _one_dtype(q, out) and compiled_for(q, out)
-            and _compiled_cache(q, kv_cache)):
+            and compiled_cache(q.dtype, kv_cache)):
         # Prefill chunks too: the kernel's vectorised path is 1.3-2.5x the torch path's
         # batched GEMMs on a 128-512-token prefill (SmolLM2 and llama-22m shapes, float32 and
         # bf16). The kernel checks its arguments itself (a Python check per layer costs more
         # than a decode step's attention on a small model); the typed error comes from the same
         # check the other paths run, once something is wrong.
+        check_kv_scales(k_scale, v_scale)  # as the cache write
         try:
             return cpu_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                        softmax_scale, sliding_window, return_lse, k_scale,
                                        v_scale)
         except RuntimeError:
-            check_kv_scales(k_scale, v_scale)
             check_paged_attention(q, kv_cache, out, cu_seqlens_q, seq_lens, block_table,
                                   softmax_scale, sliding_window, cp)
             raise

@@ -63,7 +63,7 @@ def check_kv_cache(kv_cache: torch.Tensor, allowed: Sequence[torch.dtype]) -> tu
     return nb, bs, hkv, d
 
 
-def _kv_dtype_pairs(act: torch.dtype, kv_cache: torch.Tensor) -> bool:
+def kv_dtype_pairs(act: torch.dtype, kv_cache: torch.Tensor) -> bool:
     """Activations of dtype ``act`` may be written to / read from this cache."""
     return act == kv_cache.dtype or kv_cache.dtype in KV_STORAGE_DTYPES
 
@@ -105,7 +105,7 @@ def check_reshape_and_cache(
         )
     for name, x in (("key", key), ("value", value)):
         _dtype(name, x, FLOAT_DTYPES)
-        if not _kv_dtype_pairs(x.dtype, kv_cache):
+        if not kv_dtype_pairs(x.dtype, kv_cache):
             raise KernelDtypeError(
                 f"{name} dtype {x.dtype} must equal kv_cache dtype {kv_cache.dtype} (or the "
                 "cache be a KV storage dtype: bfloat16, float8_e4m3fn)"
@@ -139,7 +139,7 @@ def check_paged_attention(
     nb, bs, hkv, d = check_kv_cache(kv_cache, allowed)
     _ndim("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
     _dtype("q", q, FLOAT_DTYPES)
-    if q.dtype != out.dtype or not _kv_dtype_pairs(q.dtype, kv_cache):
+    if q.dtype != out.dtype or not kv_dtype_pairs(q.dtype, kv_cache):
         raise KernelDtypeError(
             f"q ({q.dtype}), out ({out.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype"
             " (a bfloat16 or float8_e4m3fn cache may serve any)"

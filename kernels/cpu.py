@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.kernels._checks import kv_dtype_pairs
 from pagedserve.kernels.cpu_caps import cpu_flags_line
 from pagedserve.kernels.errors import KernelArgumentError
 
@@ -107,6 +108,13 @@ def compiled_for(*tensors: torch.Tensor) -> bool:
     ``COMPILED_DTYPES`` (each op's dispatcher says which may differ), library built."""
     return (all(t.device.type == "cpu" and t.dtype in COMPILED_DTYPES for t in tensors)
             and cpu_ops() is not None)
+
+
+def compiled_cache(dtype: torch.dtype, kv_cache: torch.Tensor) -> bool:
+    """Whether the compiled kernels (the cache write, attention, the whole layer) take this KV
+    cache under activations of ``dtype``: on the CPU, any pairing the kernels accept
+    (``_checks.kv_dtype_pairs``: that dtype or a KV storage dtype, read with its scales)."""
+    return kv_cache.device.type == "cpu" and kv_dtype_pairs(dtype, kv_cache)
 
 
 def cpu_paged_attention(

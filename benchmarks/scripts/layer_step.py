@@ -31,7 +31,7 @@ import torch
 
 from pagedserve.benchmarks.report import emit_table
 from pagedserve.kernels.cpu import cpu_ops
-from pagedserve.kernels.kv_quant import quantize_kv, scale_from_amax
+from pagedserve.kernels.kv_quant import needs_scale, quantize_kv, scale_from_amax
 from pagedserve.parallel.state import ParallelState
 from pagedserve.workers.context import AttentionMetadata, ForwardContext, forward_context
 from pagedserve.workers.kv_dtype import resolve_kv_cache_dtype
@@ -91,7 +91,7 @@ def main() -> None:
     for layer in layers.layers:
         attn = layer.self_attn.attn
         kv = torch.randn(blocks, 2, BLOCK, attn.num_kv_heads, d)
-        scale = scale_from_amax(float(kv.abs().max())) if kv_dtype.itemsize == 1 else 1.0
+        scale = scale_from_amax(float(kv.abs().max())) if needs_scale(kv_dtype) else 1.0
         attn.kv_cache = quantize_kv(kv.to(dtype), kv_dtype, scale)
         attn.k_scale = attn.v_scale = scale
     rows = [f"model `{args.model}`, {args.dtype}, quantization {args.quantization}, "

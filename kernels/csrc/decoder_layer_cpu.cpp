@@ -4,8 +4,8 @@
 // csrc/linear_cpu.cpp, oneDNN's packed matmul, at::linear or the quantized kernels of
 // kernels/quant_linear.py), so the result is the modules' bit for bit. What it removes is the
 // Python between them: about fifteen module calls, wrapper checks and views a layer, which at
-// decode batch sizes cost as much as the arithmetic. The choice between int8 weight-only and dynamic activations repeats
-// kernels/quant_linear.py's int8_linear (rows against weight_only_rows); the bit-for-bit tests
+// decode batch sizes cost as much as the arithmetic. The choice between int8 weight-only and
+// dynamic activations repeats kernels/quant_linear.py's int8_linear (rows against weight_only_rows); the bit-for-bit tests
 // in tests/workers/test_quantized_model.py hold the two together.
 //
 //   decoder_layer(x [T, H], residual [T, H] or None, positions [T] int64, cos, sin [P, D/2],

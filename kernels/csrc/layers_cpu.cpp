@@ -18,9 +18,9 @@
 //                                                       narrowed to a bf16 or e4m3 cache
 //
 // Tensors are float32 or bfloat16 (one dtype per call; rotary's cos/sin tables stay float32, the
-// cache may be bf16 under float32 keys, or e4m3 under either: kernels/kv_quant.py); inputs need unit stride in their last
-// dim (q/k/v arrive as views of the fused qkv projection) and are otherwise read through their
-// strides. The arithmetic is float32 whatever the storage (bf16 widened as read, rounded once
+// cache may be bf16 under float32 keys, or e4m3 under either: kernels/kv_quant.py); inputs need
+// unit stride in their last dim (q/k/v arrive as views of the fused qkv projection) and are
+// otherwise read through their strides. The arithmetic is float32 whatever the storage (bf16 widened as read, rounded once
 // when written, bf16.h) and follows the torch expressions in pagedserve/workers/layers, up to
 // summation order; RMSNorm also rounds where the reference does (the normalised row to the input
 // dtype before the weight multiplies it, as Hugging Face does), so a bf16 norm matches the bf16
@@ -52,9 +52,9 @@ namespace {
 
 using pagedserve::bf16;
 using pagedserve::check_rows;
-using pagedserve::fp8;
 using pagedserve::check_same_dtype;
 using pagedserve::dispatch;
+using pagedserve::fp8;
 using pagedserve::grain_rows;
 using pagedserve::load;
 using pagedserve::ptr;
@@ -394,7 +394,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
-  lib.def("rotary(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  lib.def("rotary(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> "
+          "(Tensor, Tensor)");
   lib.def("silu_and_mul(Tensor x) -> Tensor");
   lib.def("add_rms_norm_quant_(Tensor(a!) residual, Tensor x, Tensor weight, float eps, "
           "int block) -> (Tensor, Tensor)");

@@ -668,8 +668,11 @@ std::vector<Split> split_decodes(const Meta& a, std::vector<Item>& items, std::v
     const auto [lo, hi] = keys_of(it);
     return std::clamp<int64_t>((hi - lo) / kMinKeysPerPart, 1, want);
   };
-  int64_t total = 0;
-  for (const Item& it : items) total += parts_of(it) > 1 ? parts_of(it) * it.kv_heads : 0;
+  int64_t total = 0;  // heads' worth of partial rows
+  for (const Item& it : items) {
+    const int64_t parts = parts_of(it);
+    if (parts > 1) total += parts * it.kv_heads;
+  }
   if (total == 0) return splits;
   buf.assign(total * per_head, 0.f);
   std::vector<Item> out;
@@ -749,15 +752,14 @@ int64_t run(const Args<Q, KV>& a, int64_t num_tokens, int64_t num_blocks, int64_
       const int32_t id = a.table[s * a.max_blocks + b];
       if (id < 0 || id >= num_blocks) return s;
     }
+    // A decode's kv heads go together where sequences are many, and where its keys are enough
+    // for split_decodes to split them (a part then streams its blocks whole).
+    const bool long_decode = vec_serves(a.dim, a.group) && len - first >= 2 * kMinKeysPerPart;
+    const int64_t per_item = q_len == 1 && (heads_together || long_decode) ? kMaxHeadsPerItem : 1;
     for (int64_t q0 = 0; q0 < q_len; q0 += kQueryTile) {
       const int64_t q1 = std::min(q_len, q0 + kQueryTile);
       const int64_t keys = a.lens[s] - q_len + q1;
       const int64_t cost = (q1 - q0) * (a.window > 0 ? std::min(keys, a.window + q1 - q0) : keys);
-      // A decode's kv heads go together where sequences are many, and where its keys are
-      // enough for split_decodes to split them (a part then streams its blocks whole).
-      const bool long_decode =
-          vec_serves(a.dim, a.group) && len - a.first_key(len - 1) >= 2 * kMinKeysPerPart;
-      const int64_t per_item = q_len == 1 && (heads_together || long_decode) ? kMaxHeadsPerItem : 1;
       for (int64_t h = 0; h < a.hkv; h += per_item) {
         const int64_t heads = std::min(per_item, a.hkv - h);
         items.push_back({s, h, heads, q0, q1, cost * heads});

@@ -219,6 +219,22 @@ def test_rejects_bad_scales_and_dtype_pairs() -> None:
         reshape_and_cache_ref(key.double(), value.double(), torch.zeros(shape), slots)
 
 
+def test_cpu_dispatch_rejects_bad_scales_by_name(kh) -> None:
+    """The compiled kernels take the scales as floats; the dispatcher refuses what the reference
+    refuses (a bool would pass as 1.0), and the cache stays as it was."""
+    key, value, slots, shape = _write_case(2, 1.0)
+    cache = torch.zeros(shape, dtype=FP8_E4M3)
+    _, b, read_cache = _quantized_batch(kh, FP8_E4M3, 1.0, 1.0, 16, 2, 4, 64, seed=3)
+    out = torch.zeros_like(b.q)
+    for bad in (0.0, -1.0, math.inf, math.nan, True):
+        with pytest.raises(KernelArgumentError, match="k_scale"):
+            reshape_and_cache(key, value, cache, slots, bad, 1.0)
+        with pytest.raises(KernelArgumentError, match="v_scale"):
+            paged_attention(b.q, read_cache, out, b.cu_seqlens_q, b.seq_lens, b.block_table,
+                            b.scale, k_scale=1.0, v_scale=bad)
+    assert not cache.view(torch.uint8).any() and not out.any()
+
+
 def test_fp8_blocks_copy_and_swap_bytes_exactly() -> None:
     """Copy-on-write and the host tier move an fp8 cache's bytes (CPU index_copy_ has no fp8
     kernel: the copies go through a byte view)."""

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels.cpu import COMPILED_DTYPES, cpu_ops
+from pagedserve.kernels.cpu import COMPILED_DTYPES, compiled_cache, cpu_ops
 from pagedserve.kernels.decoder_layer import LayerWeights, decoder_layer, projection
-from pagedserve.kernels.kv_quant import KV_STORAGE_DTYPES
 from pagedserve.kernels.quant_linear import Int8Weight
 from pagedserve.workers.context import get_forward_context
 
@@ -70,8 +69,7 @@ def run_layers(
     for layer, w in zip(layers, fused, strict=True):
         pa = layer.self_attn.attn
         cache = pa.kv_cache
-        if (step_ok and w is not None and cache is not None
-                and (cache.dtype == x.dtype or cache.dtype in KV_STORAGE_DTYPES)
+        if (step_ok and w is not None and cache is not None and compiled_cache(x.dtype, cache)
                 and not pa.calibrate_kv_scales):
             md = ctx.groups[pa.kv_group]
             x, residual = decoder_layer(w, x, residual, positions, cache, md.slot_mapping,
