@@ -2,8 +2,9 @@
 (``csrc/paged_attention_cpu.cpp``) and a layer's pointwise ops (``csrc/layers_cpu.cpp``, used
 through ``kernels.layer_ops`` and ``kernels.reshape_and_cache``) and the activation
 quantization around an int8 matmul (``csrc/quant_cpu.cpp``, through ``kernels.quant_linear``),
-and a whole decoder layer strung from those (``csrc/decoder_layer_cpu.cpp``,
-``kernels.decoder_layer``).
+a whole decoder layer strung from those (``csrc/decoder_layer_cpu.cpp``,
+``kernels.decoder_layer``), and the sampler's argmax over a step's logits
+(``csrc/argmax_cpu.cpp``, ``kernels.argmax``).
 
 The library is built on first use with the machine's C++ compiler
 (``torch.utils.cpp_extension``, ninja from the ``ninja`` package) into
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "quant_cpu.cpp",
-                              "decoder_layer_cpu.cpp", "linear_cpu.cpp", "vec_exp.h", "bf16.h",
-                              "rows.h", "keys16.h", "linear_steps.h", "quant_rows.h", "fp8.h"))
+                              "decoder_layer_cpu.cpp", "linear_cpu.cpp", "argmax_cpu.cpp",
+                              "vec_exp.h", "bf16.h", "rows.h", "keys16.h", "linear_steps.h",
+                              "quant_rows.h", "fp8.h"))
 _LIB = "pagedserve_cpu"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 

@@ -232,20 +232,29 @@ def int8_linear(
     weight: Int8Weight,
     bias: torch.Tensor | None = None,
     compute_dtype: torch.dtype = _KERNEL_DTYPE,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x: [..., in] -> [..., out] in x's dtype: a tiled weight dynamic at every row count
-    (``Int8Weight``); otherwise weight-only up to ``WEIGHT_ONLY_ROWS`` rows (or always, for a
-    weight made with ``dynamic=False``), dynamic int8 activations above (the module docstring
-    says why; ``compute_dtype`` is the weight-only kernel's)."""
+    """x: [..., in] -> [..., out] in ``out_dtype`` (default x's): a tiled weight dynamic at
+    every row count (``Int8Weight``); otherwise weight-only up to ``WEIGHT_ONLY_ROWS`` rows (or
+    always, for a weight made with ``dynamic=False``), dynamic int8 activations above (the
+    module docstring says why; ``compute_dtype`` is the weight-only kernel's). The tiled
+    kernel's epilogue writes ``out_dtype`` itself (the LM head's float32 logits: no bf16
+    rounding, no widening pass); the other paths convert."""
+    out_dtype = out_dtype or x.dtype
     if x.device.type != "cpu":
-        return int8_linear_ref(x, weight, bias)
+        return int8_linear_ref(x, weight, bias).to(out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if weight.tiled is not None and x.dtype in (torch.float32, torch.bfloat16):
-        # the rotation, the row quantization and the matmul in one call
-        y = cpu_ops().int8_linear_tiled(x2, weight.tiled, weight.offset, weight.col_scale,
-                                        None if bias is None else bias.to(x.dtype).contiguous(),
-                                        weight.hadamard)
+        b = None if bias is None else bias.to(out_dtype).contiguous()
+        if out_dtype == x.dtype:  # the rotation, the row quantization and the matmul in one call
+            y = cpu_ops().int8_linear_tiled(x2, weight.tiled, weight.offset, weight.col_scale, b,
+                                            weight.hadamard)
+        else:  # the same two steps, the epilogue writing out_dtype
+            codes, row_scale = cpu_ops().quantize_rows_uint8(
+                x2 if x2.stride(1) == 1 else x2.contiguous(), weight.hadamard)
+            y = cpu_ops().int8_linear_codes(codes, row_scale, weight.tiled, weight.offset,
+                                            weight.col_scale, b, out_dtype)
         return y.view(*lead, -1)
     if weight.hadamard:
         x2 = hadamard_rows(x2, weight.hadamard)
@@ -257,7 +266,7 @@ def int8_linear(
         acc = torch._int_mm(q, weight.qweight.t())  # [T, out] int32
         y = dequantize_int32(acc, row_scale, weight.col_scale, x.dtype)
     y = y.view(*lead, -1)
-    return y if bias is None else y + bias
+    return (y if bias is None else y + bias).to(out_dtype)
 
 
 def int8_linear_ref(
@@ -363,9 +372,13 @@ def int4_linear_ref(
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: Int8Weight | Int4Weight,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x: [..., in] -> [..., out] through the kernel of ``weight``'s layout."""
+    """x: [..., in] -> [..., out] in ``out_dtype`` (default x's) through the kernel of
+    ``weight``'s layout."""
     if isinstance(weight, Int8Weight):
-        return int8_linear(x, weight, bias)
-    return int4_linear(x, weight, bias)
+        return int8_linear(x, weight, bias, out_dtype=out_dtype)
+    return int4_linear(x, weight, bias).to(out_dtype or x.dtype)

@@ -55,10 +55,13 @@ class _PackableWeight(nn.Module):
         self.packed = None
         self.weight = None
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # out_dtype: the result's (default x's), written by the int8 kernel's epilogue itself
         if self.quant is not None:
-            return quantized_linear(x, self.quant, bias)
-        return linear(x, self.weight, self.packed, bias)
+            return quantized_linear(x, self.quant, bias, out_dtype)
+        y = linear(x, self.weight, self.packed, bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def pack(self, keep_weight: bool = False) -> bool:
         if self.quant is not None or self.weight.numel() < PACK_MIN_ELEMENTS:
@@ -242,8 +245,10 @@ class ParallelLMHead(VocabParallelEmbedding, _PackableWeight):
         return super().pack(keep_weight or self.tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, dim] -> logits [N, vocab]
-        logits = self._matmul(hidden, None)
-        if self.state.size > 1:
+        # hidden: [N, dim] -> logits [N, vocab] float32; across ranks gathered in the model
+        # dtype (half the bytes at bf16), widened after
+        one_rank = self.state.size == 1
+        logits = self._matmul(hidden, None, torch.float32 if one_rank else None)
+        if not one_rank:
             logits = comm.all_gather(logits, self.state, dim=-1)
-        return logits[..., : self.vocab_size]
+        return logits[..., : self.vocab_size].float()

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import NO_CP, CPLayout
+from pagedserve.kernels.argmax import argmax
 from pagedserve.workers.block_table import MultiGroupBlockTable
 from pagedserve.workers.context import forward_rows
 from pagedserve.workers.input_batch import InputBatch
@@ -149,5 +150,5 @@ class DraftModel:
         """Argmax of the draft's logits at rows ``at`` of ``hidden`` (None: every row) -> [N]."""
         if at is not None:
             hidden = hidden.index_select(0, torch.from_numpy(at).to(self.device))
-        return self.model.compute_logits(hidden).argmax(dim=-1)  # type: ignore[operator]
+        return argmax(self.model.compute_logits(hidden))  # type: ignore[operator]
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.argmax import argmax
 from pagedserve.messages import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -160,7 +161,7 @@ class Sampler:
                 empty = torch.isinf(logits).all(-1, keepdim=True)
                 logits = torch.where(empty, kept, logits)
         logits = apply_penalties(logits, md)
-        sampled = logits.argmax(-1)
+        sampled = argmax(logits)
         if not md.all_greedy:
             sampled = torch.where(md.temperature == 0, sampled, self._sample(logits, md))
         out = SamplerOutput(sampled=sampled)
@@ -183,4 +184,4 @@ class Sampler:
         for i, s in seeded:
             self._seeded.manual_seed(s)
             noise[i] = exponential_noise(self._seeded, v, logits.device)
-        return (probs / noise).argmax(-1)
+        return argmax(probs / noise)

@@ -248,6 +248,11 @@ def test_tiled_int8_equals_the_unfused_dynamic_path(dtype, hadamard) -> None:
         codes, row_scale = quantize_rows_int8(xr)
         want = dequantize_int32(torch._int_mm(codes, q.qweight.t()), row_scale, q.col_scale, dtype)
         assert torch.equal(got, want), rows
+        # float32 out (the LM head's logits): the epilogue's value before its rounding to dtype
+        wide = int8_linear(x, q, out_dtype=torch.float32)
+        assert wide.dtype == torch.float32
+        assert torch.equal(wide, dequantize_int32(torch._int_mm(codes, q.qweight.t()),
+                                                  row_scale, q.col_scale, torch.float32)), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

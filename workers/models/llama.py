@@ -201,8 +201,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> [N, vocab] float32
-        return self.lm_head(hidden).float()
+        # hidden: [N, hidden] -> [N, vocab] float32 (the head's own result)
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
