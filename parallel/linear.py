@@ -241,6 +241,12 @@ class ParallelLMHead(VocabParallelEmbedding, _PackableWeight):
         self.weight = embedding.weight
         self.tied = True
 
+    def untie(self, weight: torch.Tensor) -> None:
+        """Read ``weight`` [vocab rows of this rank, dim] of the head's own from now on (a
+        rotated model's head folds the final norm in, where its embedding does not)."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.tied = False
+
     def pack(self, keep_weight: bool = False) -> bool:
         return super().pack(keep_weight or self.tied)
 

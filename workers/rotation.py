@@ -12,10 +12,14 @@ et al. 2024), and a random ``Q`` spreads every outlier over all channels:
   projections, whose inputs are then rotated);
 - the layers that write the stream (attention output, MLP down) produce ``y Q``:
   ``W`` becomes ``Q^T W`` and a bias ``b`` becomes ``b Q``;
-- the embedding's output is rotated as it enters (``x Q``) and the stream is turned back
-  (``h Q^T``) before the final norm, so the tied embedding, the final norm and the LM head are
-  untouched. Two ``[T, hidden] x [hidden, hidden]`` products per step, well under 1% of the
-  decoder's matmuls.
+- the ends fold too, so that no rotation runs at a step: the embedding's rows become ``E Q``
+  (its output enters the stream rotated), and the final norm is a reader like the others, its
+  weight folded into the LM head, ``W diag(g) Q``. A head tied to the embedding is untied for
+  that (the two now differ by the norm's weight); quantizing replaces it with its own int8
+  copy anyway, and the embedding keeps its one table. (Rotating the embedding's output and
+  turning the stream back before the final norm at every step, as this module did before,
+  cost two ``[T, hidden] x [hidden, hidden]`` float32 products over every token of a step, a
+  prefill's included: about 2% of an int8 SmolLM2 run.)
 
 The attention output has large channels of its own, per head. A value head rotated by an
 orthonormal Hadamard matrix ``H [D, D]`` (``v -> v H``: its rows of the QKV weight times
@@ -84,10 +88,10 @@ def _rotate_values(attn: nn.Module, h: torch.Tensor) -> None:
 @torch.no_grad()
 def rotate_residual_stream(model: nn.Module, seed: int = 0) -> None:
     """Fold a random rotation into a loaded Llama-family model (float weights, before
-    quantizing or packing) and set the model to rotate its embedding and unrotate its final
-    stream. The value heads take a Hadamard rotation of their own (``_rotate_values``), which
-    spreads the attention output's large channels before the output projection, as the stream's
-    rotation does before QKV and gate/up."""
+    quantizing or packing), the embedding and the LM head included: its hidden states then run
+    rotated to the end, its logits unchanged. The value heads take a Hadamard rotation of their
+    own (``_rotate_values``), which spreads the attention output's large channels before the
+    output projection, as the stream's rotation does before QKV and gate/up."""
     inner = model.model
     q = random_orthogonal(inner.norm.weight.shape[0], seed)
     d = inner.layers[0].self_attn.head_dim
@@ -99,4 +103,8 @@ def rotate_residual_stream(model: nn.Module, seed: int = 0) -> None:
         _fold_norm_into(layer.post_attention_layernorm, [mlp.gate_up_proj.weight.data], q)
         _rotate_output(attn.o_proj, q)
         _rotate_output(mlp.down_proj, q)
-    inner.set_residual_rotation(q)
+    head, emb = model.lm_head, inner.embed_tokens.weight.data
+    if head.tied:
+        head.untie(head.weight.data.clone())
+    _fold_norm_into(inner.norm, [head.weight.data], q)
+    emb.copy_(emb.double() @ q)

@@ -82,7 +82,7 @@ def test_int8_replaces_the_linears_and_keeps_the_embedding(ckpt: Path) -> None:
         # the rotations that make that hold perplexity (workers/quantize.py): the stream's,
         # folded into the weights, and the down projection's own, online
         assert lin.quant.hadamard == (64 if lin is layer.mlp.down_proj else 0)
-    assert model.model.residual_rotation is not None
+    assert (model.model.norm.weight == 1).all()  # the stream's rotation folded in, to the head
     head = model.lm_head.quant  # int8 too, its input rotated online; the embedding stays
     assert isinstance(head, Int8Weight) and head.dynamic and head.hadamard == 64
     assert model.model.embed_tokens.weight.dtype == torch.float32

@@ -1,7 +1,7 @@
 """The rotations of ``workers/rotation.py`` keep the model's own function: a model with them
-folded in gives the hidden states of the model without them (from a KV cache whose values it
-wrote rotated), on both the module path and the compiled layers, for every Llama-family
-variant."""
+folded in gives the logits of the model without them (from a KV cache whose values it wrote
+rotated), on both the module path and the compiled layers, for every Llama-family variant;
+its hidden states are the unrotated model's, rotated."""
 
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def test_a_rotated_model_computes_the_same_hidden_states(
     ckpt = make_checkpoint(kind, tmp_path / kind)
     model, arch, _ = _load(ckpt, False, monkeypatch)
     rotated, _, _ = _load(ckpt, True, monkeypatch)
-    assert model.model.residual_rotation is None and rotated.model.residual_rotation is not None
-    norm = rotated.model.layers[0].input_layernorm.weight
-    assert (norm == 1).all()  # its weight moved into the QKV projection
+    for norm in (rotated.model.layers[0].input_layernorm, rotated.model.norm):
+        assert (norm.weight == 1).all()  # its weight moved into the QKV projection, the head
+    assert not rotated.lm_head.tied  # the head folds the final norm in, the embedding does not
     # the cached context as the rotated model writes it: each value head rotated
     d = arch.head_dim
     h = hadamard_rows_ref(torch.eye(d, dtype=torch.float64), hadamard_block(d, cap=d)).float()
@@ -64,6 +64,11 @@ def test_a_rotated_model_computes_the_same_hidden_states(
 
     want = forward_both(model, arch.vocab_size)
     got = forward_both(rotated, arch.vocab_size, rotated_values)
+    q = random_orthogonal(arch.hidden_size).float()
+    g_final = model.model.norm.weight
     for (w_mod, w_comp), (g_mod, g_comp) in zip(want, got, strict=True):
         for a, b in ((w_mod, g_mod), (w_comp, g_comp)):
+            assert ((a / g_final @ q - b).abs().max() / b.abs().max()).item() <= 1e-4
+            with torch.inference_mode():
+                a, b = model.compute_logits(a), rotated.compute_logits(b)
             assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-4

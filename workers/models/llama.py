@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.decoder_layer import LayerWeights
-from pagedserve.kernels.linear import linear, pack_weight
 from pagedserve.parallel.linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -145,18 +144,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Per layer, the compiled whole-layer call's arguments where it serves (fuse_layers).
         self.fused: list[LayerWeights | None] = [None] * arch.num_layers
-        # Q [hidden, hidden] float32 where the stream runs rotated (workers/rotation.py), and
-        # Q^T and Q packed for ``kernels.linear.linear`` (x Q = linear(x, Q^T)): at a decode's
-        # one row, torch's plain float32 x @ Q took about 130 us for SmolLM2's 576 x 576.
-        self.residual_rotation: torch.Tensor | None = None
-        self._rotation_packed: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-
-    def set_residual_rotation(self, q: torch.Tensor) -> None:
-        """Run the stream rotated by ``q`` [hidden, hidden]: the embedding's output times q,
-        the last layer's stream times q^T before the final norm."""
-        self.residual_rotation = q.float().contiguous()
-        self._rotation_packed = (pack_weight(self.residual_rotation.t().contiguous()),
-                                 pack_weight(self.residual_rotation))
 
     def fuse_layers(self) -> int:
         """Take the compiled whole-layer path where it serves (after loading and packing:
@@ -167,13 +154,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden]
         x = self.embed_tokens(input_ids)
-        q = self.residual_rotation
-        q_in, q_out = self._rotation_packed
-        if q is not None:
-            x = linear(x.float(), q.t(), q_in).to(x.dtype)
         x, residual = run_layers(self.layers, self.fused, positions, x)
-        if q is not None:  # the stream turned back, so the final norm's weight stays its own
-            return self.norm(linear(x.float() + residual.float(), q, q_out).to(x.dtype))
         return self.norm(x, residual)
 
 
