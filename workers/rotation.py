@@ -51,11 +51,19 @@ def random_orthogonal(n: int, seed: int = 0) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))[None, :]
 
 
+def _times_q(w: torch.Tensor, q: torch.Tensor, g: torch.Tensor | None = None) -> None:
+    """``W [rows, hidden]`` -> ``W diag(g) Q`` in place (``W Q`` without g), in float64 a few
+    thousand rows at a time: a vocabulary's table at once would take eight times its bytes."""
+    for rows in w.split(8192):
+        x = rows.double() if g is None else rows.double() * g[None, :]
+        rows.copy_(x @ q)
+
+
 def _fold_norm_into(norm: nn.Module, readers: list[torch.Tensor], q: torch.Tensor) -> None:
     """``W [out, hidden]`` -> ``W diag(g) Q`` for each reader of the norm; g -> ones."""
     g = norm.weight.data.double()
     for w in readers:
-        w.copy_((w.double() * g[None, :]) @ q)
+        _times_q(w, q, g)
     norm.weight.data.fill_(1.0)
 
 
@@ -107,4 +115,4 @@ def rotate_residual_stream(model: nn.Module, seed: int = 0) -> None:
     if head.tied:
         head.untie(head.weight.data.clone())
     _fold_norm_into(inner.norm, [head.weight.data], q)
-    emb.copy_(emb.double() @ q)
+    _times_q(emb, q)

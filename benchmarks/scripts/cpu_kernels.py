@@ -3,7 +3,8 @@
 For each checkpoint shape (the peers benchmark's three: ``demo``, ``llama-22m``, ``smollm2``) and
 each op of a decoder layer that has its own CPU path (the compiled kernels; the residual add fused
 into the norm after it, against the add as its own op; the linear layers' packed matmul, tiled
-where that kernel is built and oneDNN's elsewhere, against ``F.linear``): a decode step of 64
+where that kernel is built and oneDNN's elsewhere, against ``F.linear``; the sampler's argmax
+over float32 logits, one row a sequence, against ``torch.argmax``): a decode step of 64
 sequences (context 50-400 tokens), the same for 8 sequences (the end of a batch, when few requests
 are left) and a prefill of 8 sequences of 200 tokens, float32 (or ``--dtype bfloat16``:
 activations, weights and the cache in bf16, the rotary tables float32 as the model keeps them),
@@ -39,6 +40,7 @@ from pagedserve.kernels import (
     reshape_and_cache_ref,
 )
 from pagedserve.kernels import layer_ops as ops
+from pagedserve.kernels.argmax import argmax, argmax_ref
 from pagedserve.kernels.cpu import cpu_ops
 from pagedserve.kernels.linear import linear, linear_ref, pack_weight
 
@@ -100,6 +102,7 @@ def cases(
     slots = torch.randperm(cache.shape[0] * BLOCK, generator=g)[:t]
     plans: dict = {}  # the engine's per-step plan cache, shared by the layers
     attn_out = torch.randn(t, hq * d, generator=g).to(dtype)
+    logits = torch.randn(len(lens), vocab, generator=g)
     linears = {  # op -> (input rows, weight [out, in]); the lm head sees one row per sequence
         "linear: qkv": (x, torch.randn((hq + 2 * hkv) * d, hidden, generator=g)),
         "linear: o": (attn_out, torch.randn(hidden, hq * d, generator=g)),
@@ -125,6 +128,8 @@ def cases(
                          lambda: ops.silu_and_mul_ref(gate_up)),
         "cache write": (lambda: reshape_and_cache(kv, vv, cache, slots),
                         lambda: reshape_and_cache_ref(kv, vv, cache, slots)),
+        # the sampler's greedy pick over float32 logits, one row per sequence
+        "argmax over the logits": (lambda: argmax(logits), lambda: argmax_ref(logits)),
     }
 
 
