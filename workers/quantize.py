@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 # int8 activations: those whose inputs hold no large outliers (module docstring).
 _DYNAMIC_UNROTATED = ("o_proj", "gate_up_proj")
 # The projection whose input no weight fold can rotate (it follows the SiLU gate); the LM head's
-# input (the final norm's output, the stream turned back) takes an online rotation too.
+# input (the final norm's output) takes an online rotation too.
 _ONLINE_ROTATION = "down_proj"
 
 

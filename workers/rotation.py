@@ -18,8 +18,8 @@ et al. 2024), and a random ``Q`` spreads every outlier over all channels:
   that (the two now differ by the norm's weight); quantizing replaces it with its own int8
   copy anyway, and the embedding keeps its one table. (Rotating the embedding's output and
   turning the stream back before the final norm at every step, as this module did before,
-  cost two ``[T, hidden] x [hidden, hidden]`` float32 products over every token of a step, a
-  prefill's included: about 2% of an int8 SmolLM2 run.)
+  took two ``[T, hidden] x [hidden, hidden]`` float32 products over every token of a step, a
+  prefill's included.)
 
 The attention output has large channels of its own, per head. A value head rotated by an
 orthonormal Hadamard matrix ``H [D, D]`` (``v -> v H``: its rows of the QKV weight times

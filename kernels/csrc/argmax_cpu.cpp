@@ -5,8 +5,8 @@
 //
 // The sampler takes it over a step's logits (the greedy pick, and the exponential race of a
 // random one). torch's CPU argmax carries its index through a reduction the compiler does not
-// vectorise: over a decode step's [64, 49152] logits it took 1.3 ms, eighteen times its amax,
-// 5-7% of an int8 SmolLM2 step. Here a row is read in runs of kLanes: lane l keeps the largest
+// vectorise, many times the cost of a pass over the logits' bytes (docs/results/performance.md
+// section 21 has the figures). Here a row is read in runs of kLanes: lane l keeps the largest
 // value it has seen and that value's index, replaced only by a strictly larger one so that
 // the earlier index wins a tie, and the lanes fold at the end (the smallest index among those
 // holding the maximum). Plain C++ that the compiler vectorises for whatever the target has.
