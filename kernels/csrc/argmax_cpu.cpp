@@ -27,7 +27,7 @@ namespace {
 constexpr int64_t kLanes = 16;
 
 int64_t row_argmax(const float* x, int64_t n) {
-  int64_t lead = 0;  // the first index of the maximum over x[0, lead)
+  int64_t lead = 0;  // the first index of the largest value read so far, top
   float top = x[0];
   bool nan = false;
   const int64_t full = n / kLanes * kLanes;
