@@ -246,15 +246,10 @@ def int8_linear(
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if weight.tiled is not None and x.dtype in (torch.float32, torch.bfloat16):
-        b = None if bias is None else bias.to(out_dtype).contiguous()
-        if out_dtype == x.dtype:  # the rotation, the row quantization and the matmul in one call
-            y = cpu_ops().int8_linear_tiled(x2, weight.tiled, weight.offset, weight.col_scale, b,
-                                            weight.hadamard)
-        else:  # the same two steps, the epilogue writing out_dtype
-            codes, row_scale = cpu_ops().quantize_rows_uint8(
-                x2 if x2.stride(1) == 1 else x2.contiguous(), weight.hadamard)
-            y = cpu_ops().int8_linear_codes(codes, row_scale, weight.tiled, weight.offset,
-                                            weight.col_scale, b, out_dtype)
+        # the rotation, the row quantization and the matmul in one call
+        y = cpu_ops().int8_linear_tiled(x2, weight.tiled, weight.offset, weight.col_scale,
+                                        None if bias is None else bias.to(out_dtype).contiguous(),
+                                        weight.hadamard, out_dtype)
         return y.view(*lead, -1)
     if weight.hadamard:
         x2 = hadamard_rows(x2, weight.hadamard)

@@ -5,8 +5,9 @@
 // kernels/quant_linear.py), so the result is the modules' bit for bit. What it removes is the
 // Python between them: about fifteen module calls, wrapper checks and views a layer, which at
 // decode batch sizes cost as much as the arithmetic. The choice between int8 weight-only and
-// dynamic activations repeats kernels/quant_linear.py's int8_linear (rows against weight_only_rows); the bit-for-bit tests
-// in tests/workers/test_quantized_model.py hold the two together.
+// dynamic activations repeats kernels/quant_linear.py's int8_linear (rows against
+// weight_only_rows); the bit-for-bit tests in tests/workers/test_quantized_model.py hold the
+// two together.
 //
 //   decoder_layer(x [T, H], residual [T, H] or None, positions [T] int64, cos, sin [P, D/2],
 //                 input_norm [H], post_norm [H], eps,
@@ -69,7 +70,7 @@ using LinearTiled = at::Tensor(const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&);
 using Int8LinearTiled = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const at::Tensor&, const std::optional<at::Tensor>&,
-                                   int64_t);
+                                   int64_t, std::optional<at::ScalarType>);
 using LinearPointwise = at::Tensor(const at::Tensor&, const at::Tensor&,
                                    const std::optional<at::Tensor>&, std::string_view,
                                    c10::List<std::optional<at::Scalar>>,
@@ -118,7 +119,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* w, int64_t kind, int
   if (kind == kInt8Tiled) {  // w: codes tiled, offset [N] int32, col_scale [N] float32
     // rotates x itself, in the pass that quantizes it
     static const auto op = typed_op<Int8LinearTiled>("pagedserve_cpu::int8_linear_tiled");
-    return op.call(x_in, w[0], w[1], w[2], bias, hadamard);
+    return op.call(x_in, w[0], w[1], w[2], bias, hadamard, std::nullopt);
   }
   static const auto rotate = typed_op<HadamardRows>("pagedserve_cpu::hadamard_rows");
   const at::Tensor x = hadamard > 0 ? rotate.call(x_in, hadamard) : x_in;

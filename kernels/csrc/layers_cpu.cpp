@@ -20,13 +20,13 @@
 // Tensors are float32 or bfloat16 (one dtype per call; rotary's cos/sin tables stay float32, the
 // cache may be bf16 under float32 keys, or e4m3 under either: kernels/kv_quant.py); inputs need
 // unit stride in their last dim (q/k/v arrive as views of the fused qkv projection) and are
-// otherwise read through their strides. The arithmetic is float32 whatever the storage (bf16 widened as read, rounded once
-// when written, bf16.h) and follows the torch expressions in pagedserve/workers/layers, up to
-// summation order; RMSNorm also rounds where the reference does (the normalised row to the input
-// dtype before the weight multiplies it, as Hugging Face does), so a bf16 norm matches the bf16
-// reference up to the sum of squares. No multiply-add contraction in this file: torch rounds
-// each product of those expressions on its own, and the float32 rotary result then matches it
-// bit for bit.
+// otherwise read through their strides. The arithmetic is float32 whatever the storage (bf16
+// widened as read, rounded once when written, bf16.h) and follows the torch expressions in
+// pagedserve/workers/layers, up to summation order; RMSNorm also rounds where the reference
+// does (the normalised row to the input dtype before the weight multiplies it, as Hugging Face
+// does), so a bf16 norm matches the bf16 reference up to the sum of squares. No multiply-add
+// contraction in this file: torch rounds each product of those expressions on its own, and the
+// float32 rotary result then matches it bit for bit.
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>

@@ -331,12 +331,14 @@ void check_tiled_weight(const at::Tensor& w, int64_t k, at::ScalarType out_dtype
               op, ": bias [N] in the output's dtype, contiguous");
 }
 
-// x [T, K] float32 or bf16 against a tiled weight.
+// x [T, K] float32 or bf16 against a tiled weight, the result (and the bias) in out_dtype.
 void check_tiled(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                 const char* op) {
+                 at::ScalarType out_dtype, const char* op) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x [T, K] float32 or bfloat16");
-  check_tiled_weight(w, x.size(1), x.scalar_type(), bias, op);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, op,
+              ": dtype must be float32 or bfloat16");
+  check_tiled_weight(w, x.size(1), out_dtype, bias, op);
 }
 
 template <class T>
@@ -346,7 +348,7 @@ const T* bias_ptr(const std::optional<at::Tensor>& bias) {
 
 at::Tensor linear_tiled(const at::Tensor& x_in, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias) {
-  check_tiled(x_in, w, bias, "linear_tiled");
+  check_tiled(x_in, w, bias, x_in.scalar_type(), "linear_tiled");
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x_in.scalar_type() == w.scalar_type(), "linear_tiled: x in the weight's dtype");
   // bf16 rows are read as 32-bit k pairs: unit stride, an even row stride, a 4-byte start.
@@ -408,13 +410,15 @@ void int8_matmul(const at::Tensor& codes, const at::Tensor& row_scale, const at:
 
 // x rotated (hadamard > 0) and quantized per row (csrc/quant_cpu.cpp's quantize_rows_uint8),
 // times the int8 codes w, through the Dequant epilogue: kernels/quant_linear.py's dynamic path
-// in one call.
+// in one call. The result in dtype (default x's; float32 for the LM head's logits, which then
+// skip a rounding to bf16 and a widening pass), the bias in that dtype.
 at::Tensor int8_linear_tiled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offset,
                              const at::Tensor& col_scale, const std::optional<at::Tensor>& bias,
-                             int64_t hadamard) {
+                             int64_t hadamard, std::optional<at::ScalarType> dtype) {
   check_int8_epilogue(w, offset, col_scale, "int8_linear_tiled");
-  check_tiled(x, w, bias, "int8_linear_tiled");
-  at::Tensor out = at::empty({x.size(0), w.size(0) * kTile}, x.options());
+  const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
+  check_tiled(x, w, bias, out_dtype, "int8_linear_tiled");
+  at::Tensor out = at::empty({x.size(0), w.size(0) * kTile}, x.options().dtype(out_dtype));
   if (x.size(0) == 0) return out;
   static const auto quantize = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("pagedserve_cpu::quantize_rows_uint8", "")
@@ -450,7 +454,7 @@ at::Tensor int8_linear_codes(const at::Tensor& codes, const at::Tensor& row_scal
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, lib) {
   lib.def("linear_tiled(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   lib.def("int8_linear_tiled(Tensor x, Tensor w, Tensor offset, Tensor col_scale, Tensor? bias, "
-          "int hadamard=0) -> Tensor");
+          "int hadamard=0, ScalarType? dtype=None) -> Tensor");
   lib.impl("int8_linear_tiled", c10::DispatchKey::CPU, int8_linear_tiled);
   lib.def("int8_linear_codes(Tensor codes, Tensor row_scale, Tensor w, Tensor offset, "
           "Tensor col_scale, Tensor? bias, ScalarType dtype) -> Tensor");

@@ -231,6 +231,12 @@ def test_the_tiled_ops_refuse_what_they_cannot_read() -> None:
         codes = tile_weight(torch.ones(64, 48, dtype=torch.int8))
         with pytest.raises(RuntimeError, match="offset"):
             ops.int8_linear_tiled(torch.randn(2, 48), codes, offset[:32], scale, None)
+        # the result's dtype, and a bias in it (not in x's)
+        with pytest.raises(RuntimeError, match="dtype must be float32 or bfloat16"):
+            ops.int8_linear_tiled(torch.randn(2, 48), codes, offset, scale, None, 0, torch.int32)
+        with pytest.raises(RuntimeError, match="bias"):
+            ops.int8_linear_tiled(torch.randn(2, 48).bfloat16(), codes, offset, scale,
+                                  torch.zeros(64).bfloat16(), 0, torch.float32)
     if tiles(torch.bfloat16):  # four k a step, as int8 codes lie, but in bf16
         with pytest.raises(RuntimeError, match="tiled weight"):
             ops.linear_tiled(torch.randn(2, 48).bfloat16(),
