@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from pagedserve.cluster.remote_client import RemoteEngineClient
-from pagedserve.controller.client import EngineClient, Sink
+from pagedserve.controller.client import ClientBase, EngineClient, Sink
 from pagedserve.controller.errors import ControllerLostError, EngineDeadError
 from pagedserve.controller.restarts import RestartPolicy
 from pagedserve.messages import AddRequest
@@ -88,7 +88,14 @@ class Replica:
 
     @property
     def restarting(self) -> bool:
-        return self.state is ReplicaState.RESTARTING
+        """A new controller starts, or is about to: the client fails a lost controller's
+        requests before it calls ``_lost``, and a request that comes meanwhile must wait for
+        the new one, not find the replica dead."""
+        if self.state is ReplicaState.RESTARTING:
+            return True
+        client = self._client
+        return (self.state is ReplicaState.LIVE and self.replaceable
+                and isinstance(client, ClientBase) and client.lost)
 
     @property
     def replaceable(self) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from pagedserve.cluster.replica import Replica, ReplicaState
+from pagedserve.cluster.replica import Replica
 from pagedserve.cluster.routing import PrefixPolicy
 from pagedserve.controller.client import EngineClient, Sink
 from pagedserve.controller.errors import (
@@ -112,15 +112,9 @@ class Router:
         healthy = [i for i, r in enumerate(self.replicas) if r.is_healthy()]
         return self.policy.choose(key, healthy, self._load)
 
-    def _coming_back(self, lost_from: int | None) -> bool:
-        """A replica is starting a new controller, or the one ``lost_from`` is about to (its
-        client failed its requests before telling it). Under the lock."""
-        if any(r.restarting for r in self.replicas):
-            return True
-        if lost_from is None:
-            return False
-        replica = self.replicas[lost_from]
-        return replica.replaceable and replica.state is ReplicaState.LIVE
+    def _coming_back(self) -> bool:
+        """A replica is starting a new controller, or is about to. Under the lock."""
+        return any(r.restarting for r in self.replicas)
 
     # ------------------------------------------------------------------ EngineClient
     def add_request(self, request: AddRequest, sink: Sink) -> None:
@@ -137,7 +131,7 @@ class Router:
             if rid in self._flights:
                 raise DuplicateRequestError(f"request id {rid!r} is already in use")
             index, reason = self._choose(key)
-            if index is None and not self._coming_back(None):
+            if index is None and not self._coming_back():
                 raise EngineDeadError(f"every data-parallel replica is down: {self.error}")
             self._flights[rid] = flight
             if index is None:
@@ -288,7 +282,7 @@ class Router:
             index, _ = self._choose(flight.key)
             if index is not None:
                 self._assign(flight, index)
-            elif self._coming_back(lost_from):
+            elif self._coming_back():
                 self._waiting.append(flight)
                 return
         if index is None:
@@ -315,7 +309,7 @@ class Router:
                 if index is not None:
                     self._assign(flight, index)
                     placed.append(flight)
-                elif self._coming_back(None):
+                elif self._coming_back():
                     self._waiting.append(flight)
                 else:
                     placed.append(flight)

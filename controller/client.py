@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from pagedserve.controller.errors import (
+    ControllerLostError,
     DuplicateRequestError,
     EngineDeadError,
     error_from_code,
@@ -132,6 +133,12 @@ class ClientBase:
     @property
     def error(self) -> str | None:
         return self._dead
+
+    @property
+    def lost(self) -> bool:
+        """The controller was found lost (its requests failed with ``ControllerLostError``): a
+        new one may take them, unlike an engine that is dead."""
+        return self._dead is not None and self._dead_error is ControllerLostError
 
     # ------------------------------------------------------------------ from the engine
     def _on_message(self, msg: OutputBatch | EngineStatus) -> None:

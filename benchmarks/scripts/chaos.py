@@ -193,14 +193,15 @@ async def _witness(http: httpx.AsyncClient, started: asyncio.Event) -> tuple[str
 
 async def _storm(url: str, plans: list[dict[str, Any]], concurrency: int,
                  faults: list[tuple[str, int]], kill: Any, probe_text: str,
-                 witness_text: str) -> tuple[Counter[str], list[dict[str, Any]], int]:
+                 witness_text: str) -> tuple[Counter[str], list[dict[str, Any]], Counter[str]]:
     """The clients of ``plans``, ``concurrency`` at a time, while ``faults`` strike: each
     ``(kind, n)`` once ``n`` clients are done and the one before is over (the server serves
     again), with a witness stream across it. The outcomes; per fault the time to serve
     again, the witness, and the clients whose run overlapped its outage and of them the
-    failed ones; and the failed clients in all."""
+    failed ones; and the failed clients in all, counted by kind and outcome."""
     outcomes: Counter[str] = Counter()
     runs: list[tuple[float, float, bool]] = []  # (start, end, acceptable) per client
+    failed: Counter[str] = Counter()
     report: list[dict[str, Any]] = []
     sem = asyncio.Semaphore(concurrency)
     done = 0
@@ -212,8 +213,10 @@ async def _storm(url: str, plans: list[dict[str, Any]], concurrency: int,
                 t0 = time.monotonic()
                 outcome = await _client(http, plan)
                 outcomes[outcome] += 1
-                runs.append((t0, time.monotonic(), _acceptable(plan, outcome,
-                                                               plan.get("expected"))))
+                ok = _acceptable(plan, outcome, plan.get("expected"))
+                runs.append((t0, time.monotonic(), ok))
+                if not ok:
+                    failed[f"{plan['kind']} {outcome}"] += 1
                 done += 1
 
         async def strike(kind: str) -> dict[str, Any]:
@@ -254,7 +257,7 @@ async def _storm(url: str, plans: list[dict[str, Any]], concurrency: int,
         end = start + (fault["recovered_s"] or math.inf)
         fault["in_flight"] = sum(t0 <= end and t1 >= start for t0, t1, _ in runs)
         fault["failed"] = sum(t0 <= end and t1 >= start and not ok for t0, t1, ok in runs)
-    return outcomes, report, sum(not ok for _, _, ok in runs)
+    return outcomes, report, failed
 
 
 async def _beside(url: str, good: list[dict[str, Any]], concurrency: int, hostile_clients: int,
@@ -411,7 +414,7 @@ def main() -> int:
         report = {
             "clients": args.clients, "num_gpu_blocks": args.num_gpu_blocks,
             "storm_s": storm_s, "outcomes": dict(outcomes), "drops": sum(drops.values()),
-            "failed": failed, "faults": struck,
+            "failed": sum(failed.values()), "failed_kinds": dict(failed), "faults": struck,
             "recovered": len(struck) == len(FAULTS) and all(
                 f["recovered_s"] is not None and f["same_text"] for f in struck),
             "witnesses_equal": all(f["witness_equal"] for f in struck),

@@ -48,8 +48,12 @@ class Controller(LocalEngineClient):
         super().__init__(EngineLoop(engine), "fake")
         self._on_lost = on_lost
 
-    def lose(self, reason: str = "the controller actor is gone (ActorDiedError)") -> None:
+    def lose(self, reason: str = "the controller actor is gone (ActorDiedError)",
+             between: Callable[[], None] | None = None) -> None:
+        """``between`` runs where the requests have failed and ``on_lost`` is still to come."""
         self._fail_all(reason, ControllerLostError)
+        if between is not None:
+            between()
         self._on_lost(reason)
 
 
@@ -151,6 +155,28 @@ def test_one_replica_its_streams_wait_for_the_new_controller(reference) -> None:
         assert stats["num_controller_restarts"] == 1 and len(cluster.starts[0]) == 2
         assert stats["num_requests_moved"] >= len(WORKLOAD) - 1
         assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0
+    finally:
+        router.shutdown()
+
+
+def test_a_request_sent_while_the_loss_is_being_reported_waits_for_the_new_controller() -> None:
+    """The client fails a lost controller's requests before it tells the replica: a request
+    sent in between, and a health check, find the replica coming back, not dead."""
+    cluster = Cluster(1, lambda: RestartPolicy(backoff_s=0.01))
+    router = cluster.router
+    late = AddRequest("late", [9] * 6, SamplingParams(max_tokens=5, ignore_eos=True))
+    stream, seen = Stream(late), {}
+
+    def between() -> None:
+        seen["healthy"] = router.is_healthy()
+        seen["added"] = router.submit(late, stream)
+
+    try:
+        cluster.starts[0][0].lose(between=between)
+        router.wait_added(seen["added"])
+        assert seen["healthy"]
+        assert stream.done.wait(30) and stream.acc.output.error is None
+        assert stream.tokens == 5 and len(cluster.starts[0]) == 2
     finally:
         router.shutdown()
 
