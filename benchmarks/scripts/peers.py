@@ -14,6 +14,7 @@ warm-up, so start-up and model loading are left out):
   pagedserve-fp8kv  ``LLM()`` with an fp8 KV cache (``kv_cache_dtype="fp8_e4m3"``, scales from the
                     first prefill): half a bf16 model's KV bytes
   pagedserve-int8-fp8kv  both: int8 weights and an fp8 KV cache
+  pagedserve-local-int8  the in-process engine with int8 weights, beside pagedserve-local
   pagedserve-spec   ``LLM()`` with ``--speculative-config`` (default: prompt lookup), to set
                     speculative decoding beside the same engine without it
   hf-static         Hugging Face ``generate`` on static batches (left padding, batch = the
@@ -70,7 +71,7 @@ from pagedserve.config import cache_root
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ("pagedserve", "pagedserve-local", "pagedserve-sync", "pagedserve-1pass",
-           "pagedserve-int8", "pagedserve-fp8kv", "pagedserve-int8-fp8kv",
+           "pagedserve-int8", "pagedserve-fp8kv", "pagedserve-int8-fp8kv", "pagedserve-local-int8",
            "pagedserve-spec", "hf-static", "hf-cb", "vllm", "vllm-default", "base", "base-local")
 VLLM_ENGINES = ("vllm", "vllm-default")
 REFERENCE = "hf-static"
@@ -218,8 +219,9 @@ def run_one(args: argparse.Namespace) -> None:
     work = json.loads(Path(args.workload).read_text())
     if args.run_one in ("pagedserve", "base"):
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, args.quantization)
-    elif args.run_one == "pagedserve-int8":
-        outs = run_pagedserve(args.model_dir, work, None, args.dtype, "int8")
+    elif args.run_one in ("pagedserve-int8", "pagedserve-local-int8"):
+        backend = "local" if args.run_one == "pagedserve-local-int8" else None
+        outs = run_pagedserve(args.model_dir, work, backend, args.dtype, "int8")
     elif args.run_one in ("pagedserve-fp8kv", "pagedserve-int8-fp8kv"):
         quantization = "int8" if args.run_one == "pagedserve-int8-fp8kv" else args.quantization
         outs = run_pagedserve(args.model_dir, work, None, args.dtype, quantization,
