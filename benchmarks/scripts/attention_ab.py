@@ -1,13 +1,12 @@
 """The CPU paged-attention kernel against its own source at another revision, in one process.
 
-Each revision's ``kernels/csrc/paged_attention_cpu.cpp`` (the working tree's, and the one
-``git show REV:...`` gives) is built as its own extension, its op registered under a namespace
-of its own, with the headers of the working tree and the library's compiler flags; the two then
-take the same decode steps call by call, alternating (``cpu_kernels.time_alternating``), so
-that a noisy machine's drift hits both. A step is S sequences of one new token after ``ctx``
-cached tokens (SmolLM2's heads by default: 9 query heads over 3 kv heads of 64), block size
-16. Prints each revision's median time, their ratio and the largest difference between their
-outputs.
+Each revision's ``kernels/csrc/paged_attention_cpu.cpp`` (the working tree's, and the one ``git
+show REV:...`` gives) is built as its own extension, its op registered under a namespace of its
+own, with that revision's headers (``csrc/*.h``) and the library's compiler flags; the two then
+take the same decode steps call by call, alternating (``cpu_kernels.time_alternating``), so that
+a noisy machine's drift hits both. A step is S sequences of one new token after ``ctx`` cached
+tokens (SmolLM2's heads by default: 9 query heads over 3 kv heads of 64), block size 16. Prints
+each revision's median time, their ratio and the largest difference between their outputs.
 
 With ``--layers N`` a step holds N caches, one per layer as a model's forward has, and a timed
 call runs the N layers in turn (the table gives the time a layer): at N = 30 SmolLM2's 64 x 128
@@ -64,6 +63,20 @@ def meta_args(op: object, cu: torch.Tensor, lens: torch.Tensor, table: torch.Ten
     return (cu, lens, table, scale, -1, *scales, torch.empty(0))
 
 
+def _headers_at(rev: str, dest: Path) -> Path:
+    """The kernel headers (``kernels/csrc/*.h``) as they are at ``rev``, written into ``dest``."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=REPO, check=True, capture_output=True,
+                              text=True).stdout
+
+    dest.mkdir()
+    csrc = str(Path(SOURCE).parent)
+    for path in git("ls-tree", "--name-only", f"{rev}:{csrc}").split():
+        if path.endswith(".h"):
+            (dest / path).write_text(git("show", f"{rev}:{csrc}/{path}"))
+    return dest
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,10 +101,11 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory(prefix="attention-ab-") as tmpdir:
         tmp = Path(tmpdir)
-        include = (REPO / SOURCE).parent
-        ops = {"baseline": build_revision(base_text, "pa_baseline", include, tmp).paged_attention,
-               "working tree": build_revision((REPO / SOURCE).read_text(), "pa_working", include,
-                                              tmp).paged_attention}
+        base_include = _headers_at(args.baseline, tmp / "baseline-headers")
+        ops = {"baseline": build_revision(base_text, "pa_baseline", base_include,
+                                          tmp).paged_attention,
+               "working tree": build_revision((REPO / SOURCE).read_text(), "pa_working",
+                                              (REPO / SOURCE).parent, tmp).paged_attention}
         print(f"baseline {args.baseline}, {args.dtype}, working tree's KV cache "
               f"{args.kv_cache_dtype}, heads {hq}/{hkv}x{d}, threads "
               f"{args.threads}, {args.layers} layer(s) a call, blocks "

@@ -1,7 +1,14 @@
 // exp(x) for float32 in a form the compiler vectorises inside `omp simd` loops (libm's expf
 // is a scalar call there): x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r
-// (the Cephes coefficients, about 1 ulp), and 2^n put straight into the exponent bits.
-// Saturates: below -87.3 it returns 0, above 88.7 +inf; NaN stays NaN.
+// (the Cephes coefficients, about 1 ulp), and 2^n put straight into the exponent bits of two
+// factors. Below about -103.97 it returns 0 (subnormals above that), at and past the largest
+// float's log +inf; NaN stays NaN.
+//
+// Neither end nor NaN takes a select of its own, which in the vectorised loop costs compares and
+// mask-register moves: x is clamped to [-104, 89] by two selects that keep a NaN (each returns x
+// when its compare fails, as a NaN's always does: vmaxps and vminps), and 2^n, split in two
+// factors, never wraps the exponent field for n in [-150, 129], so the products under- and
+// overflow as exp does.
 #pragma once
 
 #include <cstdint>
@@ -9,8 +16,8 @@
 
 #pragma omp declare simd
 inline float vec_exp(float x) {
-  const float hi = 88.72283935546875f, lo = -87.33654022216797f;
-  const float xc = x > hi ? hi : (x < lo ? lo : x);
+  float xc = x < -104.f ? -104.f : x;
+  xc = xc > 89.f ? 89.f : xc;
   const float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
   // r = x - n ln2, ln2 split in two so that n * C1 is exact.
   const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -21,9 +28,12 @@ inline float vec_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float er = p * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const float y = er * scale;
-  return x != x ? x : (x > hi ? __builtin_inff() : (x < lo ? 0.f : y));
+  const int32_t ni = static_cast<int32_t>(n);  // garbage for a NaN, whose er is NaN anyway
+  const int32_t half = ni >> 1;
+  const uint32_t bits_lo = static_cast<uint32_t>(half + 127) << 23;
+  const uint32_t bits_hi = static_cast<uint32_t>(ni - half + 127) << 23;
+  float lo, hi;
+  std::memcpy(&lo, &bits_lo, sizeof lo);
+  std::memcpy(&hi, &bits_hi, sizeof hi);
+  return er * lo * hi;
 }
