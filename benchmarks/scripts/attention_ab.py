@@ -63,17 +63,18 @@ def meta_args(op: object, cu: torch.Tensor, lens: torch.Tensor, table: torch.Ten
     return (cu, lens, table, scale, -1, *scales, torch.empty(0))
 
 
+def _git(*cmd: str) -> str:
+    return subprocess.run(["git", *cmd], cwd=REPO, check=True, capture_output=True,
+                          text=True).stdout
+
+
 def _headers_at(rev: str, dest: Path) -> Path:
     """The kernel headers (``kernels/csrc/*.h``) as they are at ``rev``, written into ``dest``."""
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=REPO, check=True, capture_output=True,
-                              text=True).stdout
-
     dest.mkdir()
     csrc = str(Path(SOURCE).parent)
-    for path in git("ls-tree", "--name-only", f"{rev}:{csrc}").split():
+    for path in _git("ls-tree", "--name-only", f"{rev}:{csrc}").split():
         if path.endswith(".h"):
-            (dest / path).write_text(git("show", f"{rev}:{csrc}/{path}"))
+            (dest / path).write_text(_git("show", f"{rev}:{csrc}/{path}"))
     return dest
 
 
@@ -94,8 +95,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                     help="the working tree's cache: --dtype, or the same values in scaled fp8")
     args = ap.parse_args()
-    base_text = subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], cwd=REPO,
-                               check=True, capture_output=True, text=True).stdout
+    base_text = _git("show", f"{args.baseline}:{SOURCE}")
     torch.set_num_threads(args.threads)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     dtype = getattr(torch, args.dtype)
