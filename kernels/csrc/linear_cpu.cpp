@@ -43,7 +43,9 @@
 // keeps four multiply-adds in flight. Beyond four, rows go in blocks of eight (sixteen chains),
 // 64 rows at a time against each tile, so that a chunk's activations stay in L2 while the tiles
 // stream past; the work items are (row chunk, tile) pairs, chunk-major, split between the
-// threads.
+// threads. Only the first block of rows reads a tile from memory, and it waited on those reads:
+// a software prefetch of the thread's next tile during the current one (run) hides them. A few
+// rows' passes keep the hardware prefetcher alone (above).
 //
 // Built where the compiler targets AVX-512 (F for float32, BF16 for bf16, VNNI for int8) or AVX2
 // with FMA (float32, and bf16 weights widened as they are read): csrc/linear_steps.h holds what
@@ -184,7 +186,8 @@ void few_rows(const typename D::W* w, int64_t steps, const typename D::X* x, int
 // col + v0 / D::kPairs * kLanes on), one chain per (row, vector).
 template <class D, int R, class Out>
 void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, int64_t xs,
-               const Out& out, int64_t row0, int64_t col, int v0) {
+               const Out& out, int64_t row0, int64_t col, int v0, const char* ahead,
+               bool one) {
   constexpr int64_t kVec = kStepBytes / D::kVecs / sizeof(typename D::W);
   V acc[R][kBlockVecs];
 #pragma GCC unroll 16
@@ -192,6 +195,10 @@ void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, in
 #pragma GCC unroll 16
     for (int v = 0; v < kBlockVecs; ++v) acc[m][v] = vzero();
   for (int64_t p = 0; p < steps; ++p) {
+    if (ahead != nullptr) {
+      _mm_prefetch(ahead + p * 64, _MM_HINT_T1);
+      if (one) _mm_prefetch(ahead + (steps + p) * 64, _MM_HINT_T1);
+    }
     const auto* s = w + (p * D::kVecs + v0) * kVec;
     V a[kBlockVecs];
 #pragma GCC unroll 16
@@ -216,10 +223,11 @@ void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, in
 // row_block<D, rows> for a run-time rows in [1, R].
 template <class D, int R, class Out>
 void row_block_of(int rows, const typename D::W* w, int64_t steps, const typename D::X* x,
-                  int64_t xs, const Out& out, int64_t row0, int64_t col, int v0) {
+                  int64_t xs, const Out& out, int64_t row0, int64_t col, int v0,
+                  const char* ahead, bool one) {
   if constexpr (R > 0) {
-    if (rows == R) return row_block<D, R>(w, steps, x, xs, out, row0, col, v0);
-    row_block_of<D, R - 1>(rows, w, steps, x, xs, out, row0, col, v0);
+    if (rows == R) return row_block<D, R>(w, steps, x, xs, out, row0, col, v0, ahead, one);
+    row_block_of<D, R - 1>(rows, w, steps, x, xs, out, row0, col, v0, ahead, one);
   }
 }
 
@@ -253,11 +261,23 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t c = i / tiles, tile = i % tiles;
       const auto* wt = wp + tile * tile_elems;
-      const int64_t end = std::min(t, (c + 1) * kChunkRows);
-      for (int64_t r = c * kChunkRows; r < end; r += kBlockRows) {
+      const int64_t begin = c * kChunkRows, end = std::min(t, begin + kChunkRows);
+      // The tile this thread takes next, into L2 while this one's later row blocks read it from
+      // cache: the first and second row blocks each ask for half of its lines, a line a step,
+      // so the next item's first row block reads its tile from L2, not from memory. A chunk of
+      // one block asks for all of them in it; only int8's, whose half-length tiles streamed
+      // below the memory's speed there, where bf16's streamed near it and slowed down.
+      const bool one = end - begin <= kBlockRows;
+      const char* next = i + 1 < hi && (!one || sizeof(typename D::W) == 1)
+                             ? reinterpret_cast<const char*>(wp + (i + 1) % tiles * tile_elems)
+                             : nullptr;
+      for (int64_t r = begin; r < end; r += kBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, end - r));
+        const int64_t half = (r - begin) / kBlockRows;  // 0, 1: this block's half of the lines
+        const char* ahead = next != nullptr && half < 2 ? next + half * steps * 64 : nullptr;
         for (int v0 = 0; v0 < D::kVecs; v0 += kBlockVecs)
-          row_block_of<D, kBlockRows>(rows, wt, steps, xp + r * xs, xs, out, r, tile * kTile, v0);
+          row_block_of<D, kBlockRows>(rows, wt, steps, xp + r * xs, xs, out, r, tile * kTile, v0,
+                                      v0 == 0 ? ahead : nullptr, one);
       }
     }
   });
