@@ -240,11 +240,53 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   return {qo, ko};
 }
 
-// silu(g) * u over one row of n, each product rounded to T (kept as O: keep).
+#if defined(__AVX512F__)
+// Sixteen elements of T as float32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Lanes rounded to T as bf16.h's store<T> rounds one (bf16: nearest even, a NaN quiet), written
+// as O: T itself, or float32 (keep).
+template <typename T, typename O>
+inline void store16(O* o, __m512 v) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i h = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    if constexpr (std::is_same_v<O, bf16>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(h));
+    } else {
+      _mm512_storeu_ps(o, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+    }
+  } else {
+    _mm512_storeu_ps(o, v);
+  }
+}
+#endif
+
+// silu(g) * u over one row of n, each product rounded to T (kept as O: keep). Where the build
+// targets AVX-512, sixteen at a time with exp16 (vec_exp.h), the rest as below.
 template <typename T, typename O>
 inline void silu_row(const T* __restrict g, const T* __restrict u, int64_t n, O* __restrict o) {
+  int64_t i0 = 0;
+#if defined(__AVX512F__)
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  for (; i0 + 16 <= n; i0 += 16) {
+    const __m512 gi = load16(g + i0);
+    const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gi), sign)));
+    const __m512 y = _mm512_div_ps(gi, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    store16<T>(o + i0, _mm512_mul_ps(y, load16(u + i0)));
+  }
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = i0; i < n; ++i) {
     const float gi = load(g[i]);
     o[i] = keep<O>(store<T>(gi / (1.f + vec_exp(-gi)) * load(u[i])));
   }

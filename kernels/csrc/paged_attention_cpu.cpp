@@ -272,13 +272,6 @@ void attend(const Args<Q, KV>& a, const Item& it, Scratch& scr) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 exp16(__m512 x) {
-  alignas(64) float t[16];
-  _mm512_store_ps(t, x);
-#pragma omp simd
-  for (int i = 0; i < 16; ++i) t[i] = vec_exp(t[i]);
-  return _mm512_load_ps(t);
-}
 
 // R query rows of one kv head (row r: new token r / G, head r % G of the group) and their
 // running softmax, fed sixteen keys at a time (keys16.h): scores as one register per row, the

@@ -9,10 +9,19 @@
 // when its compare fails, as a NaN's always does: vmaxps and vminps), and 2^n, split in two
 // factors, never wraps the exponent field for n in [-150, 129], so the products under- and
 // overflow as exp does.
+//
+// exp16 is the same on sixteen lanes in AVX-512 intrinsics, for loops the compiler would not
+// vectorise as well: the clamps are vmaxps and vminps, the steps multiply-adds, and 2^n goes in
+// by vscalefps (one rounding, as the two factors' product has). The portable form, vectorised,
+// spends twice its instructions: the compiler keeps each select's NaN case apart.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #pragma omp declare simd
 inline float vec_exp(float x) {
@@ -37,3 +46,24 @@ inline float vec_exp(float x) {
   std::memcpy(&hi, &bits_hi, sizeof hi);
   return er * lo * hi;
 }
+
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+  __m512 xc = _mm512_max_ps(_mm512_set1_ps(-104.f), x);  // x itself where x is NaN
+  xc = _mm512_min_ps(_mm512_set1_ps(89.f), xc);
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 er =
+      _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(er, n);
+}
+#endif
