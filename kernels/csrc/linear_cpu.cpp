@@ -183,11 +183,13 @@ void few_rows(const typename D::W* w, int64_t steps, const typename D::X* x, int
 }
 
 // A block of R rows over vectors [v0, v0 + kBlockVecs) of each step of one tile (columns
-// col + v0 / D::kPairs * kLanes on), one chain per (row, vector).
+// col + v0 / D::kPairs * kLanes on), one chain per (row, vector). ahead (null: none): lines of
+// another tile asked into L2, one a step from ahead on (whole_tile: a tile's 2 x steps lines,
+// two a step), for run's read-ahead.
 template <class D, int R, class Out>
 void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, int64_t xs,
                const Out& out, int64_t row0, int64_t col, int v0, const char* ahead,
-               bool one) {
+               bool whole_tile) {
   constexpr int64_t kVec = kStepBytes / D::kVecs / sizeof(typename D::W);
   V acc[R][kBlockVecs];
 #pragma GCC unroll 16
@@ -197,7 +199,7 @@ void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, in
   for (int64_t p = 0; p < steps; ++p) {
     if (ahead != nullptr) {
       _mm_prefetch(ahead + p * 64, _MM_HINT_T1);
-      if (one) _mm_prefetch(ahead + (steps + p) * 64, _MM_HINT_T1);
+      if (whole_tile) _mm_prefetch(ahead + (steps + p) * 64, _MM_HINT_T1);
     }
     const auto* s = w + (p * D::kVecs + v0) * kVec;
     V a[kBlockVecs];
@@ -224,10 +226,10 @@ void row_block(const typename D::W* w, int64_t steps, const typename D::X* x, in
 template <class D, int R, class Out>
 void row_block_of(int rows, const typename D::W* w, int64_t steps, const typename D::X* x,
                   int64_t xs, const Out& out, int64_t row0, int64_t col, int v0,
-                  const char* ahead, bool one) {
+                  const char* ahead, bool whole_tile) {
   if constexpr (R > 0) {
-    if (rows == R) return row_block<D, R>(w, steps, x, xs, out, row0, col, v0, ahead, one);
-    row_block_of<D, R - 1>(rows, w, steps, x, xs, out, row0, col, v0, ahead, one);
+    if (rows == R) return row_block<D, R>(w, steps, x, xs, out, row0, col, v0, ahead, whole_tile);
+    row_block_of<D, R - 1>(rows, w, steps, x, xs, out, row0, col, v0, ahead, whole_tile);
   }
 }
 
@@ -267,8 +269,8 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
       // so the next item's first row block reads its tile from L2, not from memory. A chunk of
       // one block asks for all of them in it; only int8's, whose half-length tiles streamed
       // below the memory's speed there, where bf16's streamed near it and slowed down.
-      const bool one = end - begin <= kBlockRows;
-      const char* next = i + 1 < hi && (!one || sizeof(typename D::W) == 1)
+      const bool one_block = end - begin <= kBlockRows;
+      const char* next = i + 1 < hi && (!one_block || sizeof(typename D::W) == 1)
                              ? reinterpret_cast<const char*>(wp + (i + 1) % tiles * tile_elems)
                              : nullptr;
       for (int64_t r = begin; r < end; r += kBlockRows) {
@@ -277,7 +279,7 @@ void run(const typename D::X* xp, int64_t t, int64_t xs, int64_t k, const typena
         const char* ahead = next != nullptr && half < 2 ? next + half * steps * 64 : nullptr;
         for (int v0 = 0; v0 < D::kVecs; v0 += kBlockVecs)
           row_block_of<D, kBlockRows>(rows, wt, steps, xp + r * xs, xs, out, r, tile * kTile, v0,
-                                      v0 == 0 ? ahead : nullptr, one);
+                                      v0 == 0 ? ahead : nullptr, one_block);
       }
     }
   });
