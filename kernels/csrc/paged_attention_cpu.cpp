@@ -303,6 +303,21 @@ struct Rows {
   alignas(64) float qf[widen_q ? R : 1][D];
   __m512 acc[R][C];
   float m[R], l[R];
+  // Rows of another block (the next one's K and V rows of this head, ahead_stride bytes apart)
+  // to ask into L2 while the next keys() sums its values, a few rows at each step of that loop
+  // (null: none; keys() clears it). A row is kAheadLines lines, its D elements as Rows reads
+  // them: an fp8 pool's row is half of that, and the rest the next head's row of the same key.
+  const char* ahead = nullptr;
+  int64_t ahead_rows = 0, ahead_stride = 0;
+  static constexpr int kAheadLines = D * static_cast<int>(sizeof(KV)) / 64;
+
+  // The ahead rows [row, row + n) into L2 (as many as are left).
+  __attribute__((always_inline)) inline void ask_ahead(int64_t row, int64_t n) const {
+    const char* p = ahead + row * ahead_stride;
+    for (int64_t end = std::min(ahead_rows, row + n); row < end; ++row, p += ahead_stride) {
+      for (int line = 0; line < kAheadLines; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
+    }
+  }
 
   // a: the kernel's Args over the cache as stored (an fp8 cache's rows reach keys() widened).
   template <typename A>
@@ -380,7 +395,9 @@ struct Rows {
     if constexpr (pv_pairs) {
       pv_by_pairs(p, v, row_stride, nj);
     } else {
+      const int64_t per = (ahead_rows + nj - 1) / nj;  // ahead rows a key
       for (int64_t j = 0; j < nj; ++j) {
+        if (ahead != nullptr) ask_ahead(j * per, per);
         for (int c = 0; c < C; ++c) {
           const __m512 vv = load16(v + j * row_stride + 16 * c);
           for (int r = 0; r < R; ++r) {
@@ -389,6 +406,7 @@ struct Rows {
         }
       }
     }
+    ahead = nullptr;
   }
 
 #if defined(__AVX512BF16__)
@@ -402,7 +420,9 @@ struct Rows {
       const __m256bh pb = _mm512_cvtneps_pbh(_mm512_load_ps(p[r]));
       _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), reinterpret_cast<__m256i>(pb));
     }
+    const int64_t per = (ahead_rows + (nj + 1) / 2 - 1) / ((nj + 1) / 2);  // a pair of keys
     for (int64_t j = 0; j < nj; j += 2) {
+      if (ahead != nullptr) ask_ahead(j / 2 * per, per);
       const bool two = j + 1 < nj;
       for (int h = 0; h < D / 32; ++h) {
         const __m512i a = _mm512_loadu_si512(v + j * row_stride + 32 * h);
@@ -554,16 +574,14 @@ void attend_heads(const Args<Q, KV>& a, const Item& it, const KV* after) {
     for (int64_t h = 0; h < it.kv_heads; ++h) {
       const int64_t off = (it.kv_head + h) * D;
       // The next block's K and V rows of this head (of the next item's first block: the same
-      // heads' rows) into L2, a head at a time: spread out, the requests overlap the arithmetic
-      // (asked for all at once, they queue behind each other and the loads behind them), and
-      // L2 rather than L1, where they would evict the block in use.
+      // heads' rows) into L2, a head at a time and, within a head, a few rows at each step of
+      // its value sum (Rows::ask_ahead): spread out, the requests overlap the arithmetic (asked
+      // for all at once, they queue behind each other and the loads behind them), and L2
+      // rather than L1, where they would evict the block in use.
       if (next != nullptr && j0 % bs == 0) {
-        for (int64_t j = 0; j < 2 * bs; ++j) {
-          const char* row = reinterpret_cast<const char*>(next + j * row_stride + off);
-          for (int line = 0; line < D * static_cast<int>(sizeof(KV)); line += 64) {
-            _mm_prefetch(row + line, _MM_HINT_T1);
-          }
-        }
+        rows[h].ahead = reinterpret_cast<const char*>(next + off);
+        rows[h].ahead_rows = 2 * bs;
+        rows[h].ahead_stride = row_stride * static_cast<int64_t>(sizeof(KV));
       }
       feed<D>(rows[h], a, k + off, v + off, j0, nj, wide);
     }
