@@ -83,18 +83,28 @@ def test_silu_and_mul() -> None:
     assert _rel(got, ops.silu_and_mul_ref(x.double())) <= 1e-6
 
 
+def _both_paths(v: torch.Tensor) -> torch.Tensor:
+    """v's values as a row that the kernel's sixteen-lane loop (AVX-512 builds) and its
+    element-by-element tail each see whole: v 16 times over, then v once (len(v) < 16)."""
+    return torch.cat([v.repeat(16), v])
+
+
 def test_silu_and_mul_far_out_is_right_element_by_element() -> None:
     """Gates where exp(-gate) nears float32's ends: each product to float64's within 1e-6 of
     itself, tiny ones included (an exp that overflowed early made those 0), and the ends
-    and NaN as torch has them."""
-    gate = torch.tensor([-88.7, -88.5, -88.4, -87.0, -50.0, -1.0, 0.0, 3.0, 88.5, 100.0, 500.0])
+    and NaN as torch has them, in float32 and (the ends) bf16, through both of the kernel's
+    loops."""
+    gate = _both_paths(torch.tensor([-88.7, -88.5, -88.4, -87.0, -50.0, -1.0, 0.0, 3.0, 88.5,
+                                     100.0, 500.0]))
     up = torch.full_like(gate, 1.5)
     got = ops.silu_and_mul(torch.cat([gate, up])[None])[0]
     want = ops.silu_and_mul_ref(torch.cat([gate, up]).double()[None])[0]
     assert torch.allclose(got.double(), want, rtol=1e-6, atol=0.0)
-    ends = torch.tensor([[-1000.0, float("inf"), float("nan"), 1.0, 1.0, 1.0]])
-    got, want = ops.silu_and_mul(ends), ops.silu_and_mul_ref(ends.double())
-    assert torch.allclose(got.double(), want, equal_nan=True)
+    ends = _both_paths(torch.tensor([-1000.0, float("inf"), float("nan")]))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.cat([ends, torch.ones_like(ends)])[None].to(dtype)
+        got, want = ops.silu_and_mul(x), ops.silu_and_mul_ref(x.double())
+        assert torch.allclose(got.double(), want, equal_nan=True)
 
 
 def test_cache_write_matches_the_reference() -> None:
