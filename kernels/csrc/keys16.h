@@ -23,7 +23,7 @@
 
 namespace pagedserve::keys16 {
 
-// 16 consecutive elements as float32.
+// 16 consecutive elements as float32 (also SiLU-and-mul's loads, csrc/layers_cpu.cpp).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 inline __m512 load16(const bf16* p) {

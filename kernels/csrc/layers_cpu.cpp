@@ -44,6 +44,7 @@
 
 #include "bf16.h"
 #include "fp8.h"
+#include "keys16.h"
 #include "quant_rows.h"
 #include "rows.h"
 #include "vec_exp.h"
@@ -56,6 +57,9 @@ using pagedserve::check_same_dtype;
 using pagedserve::dispatch;
 using pagedserve::fp8;
 using pagedserve::grain_rows;
+#if defined(__AVX512F__)
+using pagedserve::keys16::load16;
+#endif
 using pagedserve::load;
 using pagedserve::ptr;
 using pagedserve::store;
@@ -241,15 +245,9 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 }
 
 #if defined(__AVX512F__)
-// Sixteen elements of T as float32 lanes.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // Lanes rounded to T as bf16.h's store<T> rounds one (bf16: nearest even, a NaN quiet), written
-// as O: T itself, or float32 (keep).
+// as O: T itself, or float32 (keep). In registers: through a buffer and the compiler's vectorised
+// store<T>, the bf16 row ran slower by about the time the exp16 loop saved.
 template <typename T, typename O>
 inline void store16(O* o, __m512 v) {
   if constexpr (std::is_same_v<T, bf16>) {
